@@ -11,7 +11,7 @@ __all__ = ['manual_seed', 'default_generator', 'is_grad_enabled', 'no_grad', 'un
            'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout', 'Sequential', 'Optimizer', 'SGD', 'Adam',
            'LRScheduler', 'StepLR', 'CosineAnnealingLR', 'two_spirals']
 
-# %% ../nbs/01_tensor.ipynb #195bf556
+# %% ../nbs/01_tensor.ipynb #089bd096
 import math
 from contextlib import contextmanager
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import AutogradError, ShapeError, TinycompError
 
-# %% ../nbs/01_tensor.ipynb #9f1a7cd6
+# %% ../nbs/01_tensor.ipynb #d191ad44
 _rng = np.random.default_rng(0)
 
 def manual_seed(seed: int):
@@ -31,7 +31,7 @@ def default_generator() -> np.random.Generator:
     "The generator initialisers and dropout draw from (see `manual_seed`)."
     return _rng
 
-# %% ../nbs/01_tensor.ipynb #b94a3293
+# %% ../nbs/01_tensor.ipynb #94458b32
 _grad_enabled = True
 
 def is_grad_enabled() -> bool:
@@ -46,7 +46,7 @@ def no_grad():
     try: yield
     finally: _grad_enabled = previous
 
-# %% ../nbs/01_tensor.ipynb #868c6c4b
+# %% ../nbs/01_tensor.ipynb #b21f4d08
 def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
     """Sum `grad` (the gradient of a broadcast result) down to `shape` (the shape of the input).
 
@@ -65,7 +65,7 @@ def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
     return grad.reshape(shape)
     ### END SOLUTION
 
-# %% ../nbs/01_tensor.ipynb #cc0338fc
+# %% ../nbs/01_tensor.ipynb #969b5ef1
 def add_backward(grad, a_shape, b_shape):
     """Gradients of `a + b` with respect to `a` and `b` (as a tuple), given `grad` of the output.
 
@@ -88,27 +88,27 @@ def mul_backward(grad, a, b):
     return unbroadcast(grad * b, np.shape(a)), unbroadcast(grad * a, np.shape(b))
     ### END SOLUTION
 
-# %% ../nbs/01_tensor.ipynb #445fbf4e
+# %% ../nbs/01_tensor.ipynb #073bcc8e
 def matmul_backward(grad, a, b):
     """Gradients of `a @ b` with respect to `a` and `b`, following NumPy's `matmul` rules.
 
     TODO: return `(grad_a, grad_b)` with the shapes of `a` and `b`.
     APPROACH: 1) turn 1-D operands into matrices (a: `(k,)`->`(1, k)`, b: `(k,)`->`(k, 1)`) and put the
-    removed axes back into `grad`; 2) `ga = grad @ swapaxes(b)`, `gb = swapaxes(a) @ grad` on the last two axes;
+    removed axes back into `grad` (first b's, then a's); 2) `ga = grad @ swapaxes(b)`, `gb = swapaxes(a) @ grad` on the last two axes;
     3) `unbroadcast` over batch axes and reshape back to the original shapes.
-    HINTS: `np.swapaxes(x, -1, -2)`, `np.expand_dims(grad, axis)`.
+    HINTS: `np.swapaxes(x, -1, -2)`, `grad[..., None]` and `grad[..., None, :]`.
     """
     ### BEGIN SOLUTION
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
-    if a.ndim == 1: grad = np.expand_dims(grad, -2)
-    if b.ndim == 1: grad = np.expand_dims(grad, -1)
+    if b.ndim == 1: grad = grad[..., None]
+    if a.ndim == 1: grad = grad[..., None, :]
     ga = grad @ np.swapaxes(b2, -1, -2)
     gb = np.swapaxes(a2, -1, -2) @ grad
     return unbroadcast(ga, a2.shape).reshape(a.shape), unbroadcast(gb, b2.shape).reshape(b.shape)
     ### END SOLUTION
 
-# %% ../nbs/01_tensor.ipynb #eb76e5e8
+# %% ../nbs/01_tensor.ipynb #7b66f33b
 def relu_backward(grad, x):
     """Gradient of `relu(x)` with respect to `x`, given `grad` of the output.
 
@@ -141,7 +141,7 @@ def log_softmax_backward(grad, out, axis=-1):
     return grad - np.exp(out) * np.sum(grad, axis=axis, keepdims=True)
     ### END SOLUTION
 
-# %% ../nbs/01_tensor.ipynb #869cffb1
+# %% ../nbs/01_tensor.ipynb #f9a0d040
 def _to_array(data, dtype=None) -> np.ndarray:
     "Float data becomes float32 (or `dtype`); integer and boolean data keep their dtype."
     if isinstance(data, Tensor): data = data.data
@@ -187,7 +187,7 @@ class Tensor:
         extra = ', requires_grad=True' if self.requires_grad else ''
         return f"Tensor({body}{extra})"
 
-# %% ../nbs/01_tensor.ipynb #bdd1b14b
+# %% ../nbs/01_tensor.ipynb #4ead7521
 def _topological_order(root):
     "Tensors of the graph ending at `root`, each after all of its parents."
     order, seen, stack = [], set(), [(root, False)]
@@ -232,7 +232,7 @@ def _backward(self, grad=None):
 
 Tensor.backward = _backward
 
-# %% ../nbs/01_tensor.ipynb #78d0c712
+# %% ../nbs/01_tensor.ipynb #383f7962
 def as_tensor(x, dtype=None) -> Tensor:
     "`x` if it is a Tensor already, else a constant Tensor holding it."
     return x if isinstance(x, Tensor) else Tensor(x, dtype=dtype)
@@ -299,7 +299,7 @@ def matmul(a, b) -> Tensor:
     "Batched matrix product with NumPy's broadcasting rules."
     return _matmul(as_tensor(a), b)
 
-# %% ../nbs/01_tensor.ipynb #97fb47e4
+# %% ../nbs/01_tensor.ipynb #616f4d24
 def _axes(axis, ndim):
     "Normalise an `axis` argument to a sorted tuple of non-negative axes."
     if axis is None: return tuple(range(ndim))
@@ -380,7 +380,7 @@ def stack(tensors, dim=0) -> Tensor:
     except ValueError as e: raise ShapeError(f"stack: {e}") from None
     return Tensor.from_op(out, tensors, lambda g: tuple(np.moveaxis(g, dim, 0)), 'stack')
 
-# %% ../nbs/01_tensor.ipynb #f11b7432
+# %% ../nbs/01_tensor.ipynb #da95dd4e
 def _unary(name, forward, backward_from):
     "Element-wise op whose gradient is `grad * backward_from(x, y)` (x input, y output)."
     def op(self):
@@ -423,7 +423,7 @@ def sqrt(x): "Square root"; return as_tensor(x).sqrt()
 def softmax(x, dim=-1): "Softmax along `dim`"; return as_tensor(x).softmax(dim)
 def log_softmax(x, dim=-1): "log(softmax(x)) along `dim`, numerically stable"; return as_tensor(x).log_softmax(dim)
 
-# %% ../nbs/01_tensor.ipynb #8823af7a
+# %% ../nbs/01_tensor.ipynb #002add22
 def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0) -> bool:
     "Compare autograd's gradients of `fn(*inputs)` with central differences in float64; raise if they differ."
     xs = [Tensor(np.array(as_tensor(x).data, dtype=np.float64), requires_grad=True, dtype=np.float64) for x in inputs]
@@ -449,7 +449,7 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0) -> bool:
                                     f"({bad.sum()} of {bad.size} elements differ)")
     return True
 
-# %% ../nbs/01_tensor.ipynb #8df3a5bf
+# %% ../nbs/01_tensor.ipynb #b533e424
 def _check_labels(logits: Tensor, labels) -> np.ndarray:
     "Validate integer class labels for `logits` of shape (N, C)."
     labels = np.asarray(labels.data if isinstance(labels, Tensor) else labels)
@@ -487,7 +487,7 @@ def mse_loss(input, target, reduction='mean'):
     sq = (input - target) ** 2
     return {'mean': sq.mean, 'sum': sq.sum, 'none': lambda: sq}[reduction]()
 
-# %% ../nbs/01_tensor.ipynb #245b6b02
+# %% ../nbs/01_tensor.ipynb #684b9777
 class Parameter(Tensor):
     "A Tensor that is a trainable weight of a Module."
     def __init__(self, data, requires_grad=True):
@@ -615,7 +615,7 @@ class Module:
         head = f"{type(self).__name__}({self.extra_repr()}"
         return head + (')' if not lines else '\n' + '\n'.join(lines) + '\n)')
 
-# %% ../nbs/01_tensor.ipynb #9684909c
+# %% ../nbs/01_tensor.ipynb #bdbb6bce
 def _fans(shape):
     "fan_in and fan_out of a weight of shape (out, in, *kernel), as PyTorch computes them."
     if len(shape) < 2: raise ShapeError(f"fan in/out need a weight with at least 2 dimensions, got shape {tuple(shape)}")
@@ -669,7 +669,7 @@ def default_init_(weight, bias=None, rng=None):
         bound = 1 / math.sqrt(_fans(weight.shape)[0])
         uniform_(bias, -bound, bound, rng)
 
-# %% ../nbs/01_tensor.ipynb #5e493fc3
+# %% ../nbs/01_tensor.ipynb #19d56031
 class Linear(Module):
     "Affine layer `y = x @ weight.T + bias`, weight of shape (out_features, in_features)."
     def __init__(self, in_features, out_features, bias=True):
@@ -748,7 +748,7 @@ class Sequential(Module):
         setattr(self, str(len(self)), module)
         return self
 
-# %% ../nbs/01_tensor.ipynb #83fcc229
+# %% ../nbs/01_tensor.ipynb #fcaed674
 class Optimizer:
     "Base class: holds parameters and a learning rate; `zero_grad` clears gradients."
     def __init__(self, params, lr):
@@ -823,7 +823,7 @@ class Adam(Optimizer):
             p.data = (p.data - self.lr * m_hat / (np.sqrt(v_hat) + self.eps)).astype(p.data.dtype)
         ### END SOLUTION
 
-# %% ../nbs/01_tensor.ipynb #c9285856
+# %% ../nbs/01_tensor.ipynb #19a46c69
 class LRScheduler:
     "Sets `optimizer.lr` from the epoch count; subclasses define `lr_at(epoch)`."
     def __init__(self, optimizer):
@@ -848,7 +848,7 @@ class CosineAnnealingLR(LRScheduler):
     def lr_at(self, epoch):
         return self.eta_min + (self.base_lr - self.eta_min) * (1 + math.cos(math.pi * epoch / self.T_max)) / 2
 
-# %% ../nbs/01_tensor.ipynb #2fe9a95a
+# %% ../nbs/01_tensor.ipynb #622de9e8
 def two_spirals(n_per_class=200, noise=0.2, seed=0):
     "Two interleaved spirals: features (2n, 2) float32, labels (2n,) int64."
     rng = np.random.default_rng(seed)
