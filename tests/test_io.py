@@ -1,0 +1,319 @@
+"Tests for tinycomp.io: exact round trips and hostile model files."
+import copy
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from tinycomp import io as tio
+from tinycomp import tensor as T
+from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from tinycomp.errors import ModelFileError, TinycompError
+from tinycomp.tensor import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh, no_grad
+
+
+def cnn():
+    T.manual_seed(0)
+    m = Sequential(Conv2d(1, 4, 3, padding=1), BatchNorm2d(4), ReLU(), MaxPool2d(2),
+                   Conv2d(4, 6, (3, 1), stride=(1, 2), padding=(1, 0), bias=False), Tanh(), AvgPool2d(2),
+                   Sequential(AdaptiveAvgPool2d(1), Flatten()), Dropout(0.25), Linear(6, 10), Sigmoid())
+    bn = m[1]  # non-default buffers, so the round trip has something to prove
+    bn._buffers['running_mean'] = np.linspace(-1, 1, 4).astype(np.float32)
+    bn._buffers['running_var'] = np.linspace(0.5, 2, 4).astype(np.float32)
+    bn._buffers['num_batches_tracked'] = np.array(17, np.int64)
+    return m
+
+
+def assert_same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert sa[k].tobytes() == sb[k].tobytes(), k                 # bitwise
+    assert [type(m) for m in a.modules()] == [type(m) for m in b.modules()]
+    assert [m.config() for m in a.modules()] == [m.config() for m in b.modules()]
+    assert repr(a) == repr(b)
+
+
+def parts(path):
+    "(manifest dict, arrays dict) of a good model file, read with plain NumPy."
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    return json.loads(arrays.pop('__manifest__').tobytes()), arrays
+
+
+def craft(path, manifest, arrays, raw_manifest=None):
+    "Write a (possibly hostile) .npz: arrays plus a manifest given as dict, or raw array/bytes."
+    if raw_manifest is None:
+        raw_manifest = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+    elif isinstance(raw_manifest, bytes):
+        raw_manifest = np.frombuffer(raw_manifest, np.uint8)
+    np.savez(path, __manifest__=raw_manifest, **arrays)        # np.savez pickles object arrays: hostile on purpose
+    return path
+
+
+@pytest.fixture
+def good(tmp_path):
+    m = cnn()
+    path = tio.save(m, tmp_path / 'good.npz', metadata={'accuracy': 0.9})
+    man, arrays = parts(path)
+    return m, path, man, arrays
+
+
+def bad(tmp_path, man, arrays, match, **kw):
+    path = craft(tmp_path / 'bad.npz', man, arrays, **kw)
+    with pytest.raises(ModelFileError, match=match):
+        tio.load(path)
+    return path
+
+
+# ---------------------------------------------------------------- round trips
+def test_round_trip_is_exact(good):
+    m, path, _, _ = good
+    back = tio.load(path)
+    assert_same_model(m, back)
+    x = np.random.default_rng(0).normal(size=(3, 1, 8, 8)).astype(np.float32)
+    m.eval(), back.eval()
+    with no_grad():
+        assert m(x).data.tobytes() == back(x).data.tobytes()
+    assert tio.read_manifest(path)[0]['metadata'] == {'accuracy': 0.9}
+
+
+def test_round_trip_of_every_layer_type_and_nesting(tmp_path):
+    T.manual_seed(1)
+    m = Sequential(Sequential(Linear(3, 4, bias=False), Sequential(ReLU())), Flatten(0), Dropout(), Linear(4, 2))
+    assert_same_model(m, tio.load(tio.save(m, tmp_path / 'n.npz')))
+    e = Sequential()
+    assert_same_model(e, tio.load(tio.save(e, tmp_path / 'e.npz')))
+    single = Linear(2, 2)                                         # a bare layer is a model too
+    assert_same_model(single, tio.load(tio.save(single, tmp_path / 's.npz')))
+
+
+def test_same_model_same_bytes_and_atomic_overwrite(tmp_path, good):
+    m, path, _, _ = good
+    p2 = tio.save(m, tmp_path / 'again.npz', metadata={'accuracy': 0.9})
+    assert p2.read_bytes() == path.read_bytes()                  # reproducible files
+    tio.save(Linear(2, 3), path)                                  # replaces the old file in one step
+    assert isinstance(tio.load(path), Linear)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['again.npz', 'good.npz']
+
+
+def test_load_does_not_disturb_the_seeded_generator(good):
+    _, path, _, _ = good
+    T.manual_seed(5)
+    expected = T.default_generator().random(3)
+    T.manual_seed(5)
+    tio.load(path)
+    assert np.array_equal(T.default_generator().random(3), expected)
+
+
+def test_allow_list_contents():
+    for cls in (Sequential, Linear, ReLU, Sigmoid, Tanh, Flatten, Dropout,
+                Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d):
+        assert tio.LAYERS[cls.__name__] is cls
+
+
+def test_register_layer_for_later_modules(tmp_path, monkeypatch):
+    monkeypatch.setattr(tio, 'LAYERS', dict(tio.LAYERS))
+
+    class Scale(Module):
+        def __init__(self, n, bits=8):
+            super().__init__()
+            self.n, self.bits = n, bits
+            self.register_buffer('q', np.zeros(n, np.int8))
+            self.register_buffer('scale', np.ones(n, np.float32))
+            self.register_buffer('mask', np.ones(n, bool))
+
+        def config(self): return dict(n=self.n, bits=self.bits)
+        def forward(self, x): return x
+
+    m = Sequential(Scale(3, bits=4), Linear(3, 1))
+    with pytest.raises(ModelFileError, match="allow-list.*register_layer"):
+        tio.save(m, tmp_path / 'q.npz')
+    assert not (tmp_path / 'q.npz').exists() and list(tmp_path.iterdir()) == []
+    assert tio.register_layer(Scale) is Scale
+    m[0]._buffers['q'] = np.array([-128, 0, 127], np.int8)
+    m[0]._buffers['mask'] = np.array([True, False, True])
+    assert_same_model(m, tio.load(tio.save(m, tmp_path / 'q.npz')))
+
+    class Block(Module):                                          # builds its own sub-layers
+        def __init__(self, n):
+            super().__init__()
+            self.n, self.lin, self.act = n, Linear(n, n), ReLU()
+
+        def config(self): return dict(n=self.n)
+        def forward(self, x): return self.act(self.lin(x))
+
+    tio.register_layer(Block)
+    T.manual_seed(3)
+    blocks = Sequential(Block(3), Block(3))
+    path = tio.save(blocks, tmp_path / 'b.npz')
+    assert_same_model(blocks, tio.load(path))
+    man, arrays = parts(path)
+    man['model']['children']['1']['children']['act']['type'] = 'Tanh'
+    bad(tmp_path, man, arrays, r"model.1.act: expected a ReLU, the manifest says Tanh")
+    del man['model']['children']['1']['children']['act']
+    bad(tmp_path, man, arrays, r"rebuilt Block has children \['lin', 'act'\]")
+
+    class Other(Module):
+        pass
+    Other.__name__ = 'Scale'
+    with pytest.raises(TinycompError, match="already registered"):
+        tio.register_layer(Other)
+    with pytest.raises(TinycompError, match="Module subclass"):
+        tio.register_layer(int)
+
+
+def test_save_refuses_what_load_would_refuse(tmp_path):
+    m = Linear(2, 2)
+    m.weight.data[0, 0] = np.nan
+    with pytest.raises(ModelFileError, match="NaN or infinite"):
+        tio.save(m, tmp_path / 'nan.npz')
+
+    class Sub(Linear):                                            # a subclass is not the allow-listed class
+        pass
+    with pytest.raises(ModelFileError, match="allow-list"):
+        tio.save(Sub(2, 2), tmp_path / 'sub.npz')
+    with pytest.raises(ModelFileError, match="metadata is not JSON-safe"):
+        tio.save(Linear(2, 2), tmp_path / 'meta.npz', metadata={'x': object()})
+    shared = Sequential(Linear(2, 2), Linear(2, 2))
+    shared[1].weight = shared[0].weight
+    with pytest.raises(ModelFileError, match="weight tying"):
+        tio.save(shared, tmp_path / 'tied.npz')
+    assert list(tmp_path.iterdir()) == []                        # nothing written, no temp files
+
+
+# ---------------------------------------------------------------- hostile and broken files
+def test_pickled_object_array_is_never_unpickled(tmp_path, good):
+    _, _, man, arrays = good
+    marker = tmp_path / 'pwned'
+
+    class Boom:
+        def __reduce__(self):
+            return (marker.write_text, ('pickle code ran',))
+    arrays = dict(arrays, **{'0.bias': np.array([Boom()], dtype=object)})
+    bad(tmp_path, man, arrays, "pickles are never loaded")
+    man2 = copy.deepcopy(man)
+    man2['arrays']['0.bias'] = {'shape': [1], 'dtype': 'object'}  # even when the manifest admits it
+    bad(tmp_path, man2, arrays, "pickles are never loaded|'0.bias'")
+    assert not marker.exists()
+
+
+def test_pickled_manifest_is_rejected(tmp_path, good):
+    _, _, man, arrays = good
+    bad(tmp_path, man, arrays, "must be a 1-D uint8", raw_manifest=np.array([man], dtype=object))
+
+
+def test_shape_and_dtype_mismatch(tmp_path, good):
+    _, _, man, arrays = good
+    bad(tmp_path, man, dict(arrays, **{'9.weight': arrays['9.weight'].T.copy()}), r"'9.weight' is float32 \[6, 10\]")
+    bad(tmp_path, man, dict(arrays, **{'9.bias': arrays['9.bias'].astype(np.float64)}), "'9.bias' is float64")
+    # manifest and arrays agree with each other but not with the layer config
+    man2 = copy.deepcopy(man)
+    man2['model']['children']['9']['config']['in_features'] = 7
+    bad(tmp_path, man2, arrays, "config and the weights disagree")
+
+
+def test_unknown_layer_type_and_bad_config(tmp_path, good):
+    _, _, man, arrays = good
+    man2 = copy.deepcopy(man)
+    man2['model']['children']['2']['type'] = 'os.system'
+    bad(tmp_path, man2, arrays, "'os.system' at model.2 is not in the allow-list")
+    man3 = copy.deepcopy(man)
+    man3['model']['children']['9']['config']['evil'] = 1
+    bad(tmp_path, man3, arrays, "cannot build Linear")
+    man4 = copy.deepcopy(man)
+    man4['model']['children']['2']['children']['x.y'] = {'type': 'ReLU', 'config': {}, 'children': {}}
+    bad(tmp_path, man4, arrays, "child name 'x.y'")
+    man5 = copy.deepcopy(man)
+    del man5['model']['children']['2']['config']
+    bad(tmp_path, man5, arrays, "exactly 'type', 'config', 'children'")
+    man6 = copy.deepcopy(man)
+    del man6['model']['children']['2']                            # tree and arrays no longer line up
+    man6['model']['children']['3']['children']['0'] = {'type': 'ReLU', 'config': {}, 'children': {}}
+    bad(tmp_path, man6, arrays, "Sequential children must be named")
+    man7 = copy.deepcopy(man)
+    man7['model']['children']['3']['children']['0'] = {'type': 'ReLU', 'config': {}, 'children': {}}
+    bad(tmp_path, man7, arrays, r"rebuilt MaxPool2d has children \[\], the manifest lists \['0'\]")
+
+
+def test_missing_and_extra_keys(tmp_path, good):
+    _, _, man, arrays = good
+    short = {k: v for k, v in arrays.items() if k != '1.running_var'}
+    bad(tmp_path, man, short, r"missing from the file: \['1.running_var'\]")
+    bad(tmp_path, man, dict(arrays, extra=np.zeros(2, np.float32)), r"does not list: \['extra'\]")
+    man2 = copy.deepcopy(man)
+    del man2['arrays']['0.weight']
+    bad(tmp_path, man2, {k: v for k, v in arrays.items() if k != '0.weight'}, "rebuilt model has arrays")
+    p = tmp_path / 'nomanifest.npz'
+    np.savez(p, **arrays)
+    with pytest.raises(ModelFileError, match="no __manifest__"):
+        tio.load(p)
+
+
+def test_truncated_and_corrupt_files(tmp_path, good):
+    _, path, _, _ = good
+    blob = path.read_bytes()
+    for n in (0, 10, len(blob) // 2, len(blob) - 30):
+        p = tmp_path / f'cut{n}.npz'
+        p.write_bytes(blob[:n])
+        with pytest.raises(ModelFileError):
+            tio.load(p)
+    flipped = bytearray(blob)                                     # flip one byte inside the first array's data
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo('0.weight.npy')
+    flipped[info.header_offset + 30 + len(info.filename) + 140] ^= 0xFF
+    (tmp_path / 'flip.npz').write_bytes(bytes(flipped))
+    with pytest.raises(ModelFileError, match="'0.weight'"):       # CRC check fails on read
+        tio.load(tmp_path / 'flip.npz')
+    (tmp_path / 'text.npz').write_text('hello')
+    with pytest.raises(ModelFileError, match="not a readable .npz"):
+        tio.load(tmp_path / 'text.npz')
+    np.save(tmp_path / 'single.npy', np.zeros(3))
+    with pytest.raises(ModelFileError, match="single .npy"):
+        tio.load(tmp_path / 'single.npy')
+    with pytest.raises(ModelFileError, match="no model file"):
+        tio.load(tmp_path / 'nothing.npz')
+
+
+def test_unknown_version_and_format(tmp_path, good):
+    _, _, man, arrays = good
+    bad(tmp_path, dict(man, version=2), arrays, "format version 2 is not supported")
+    bad(tmp_path, dict(man, version='1'), arrays, "format version '1'")
+    bad(tmp_path, dict(man, version=True), arrays, "format version True")
+    bad(tmp_path, dict(man, format='pytorch'), arrays, "not a 'tinycomp-model' manifest")
+    bad(tmp_path, dict(man, surprise=1), arrays, "unknown manifest fields")
+
+
+def test_nan_and_inf_weights(tmp_path, good):
+    _, _, man, arrays = good
+    w = arrays['0.weight'].copy()
+    w[0, 0, 1, 1] = np.nan
+    bad(tmp_path, man, dict(arrays, **{'0.weight': w}), "'0.weight' contains 1 NaN or infinite")
+    v = arrays['1.running_var'].copy()
+    v[2] = -np.inf
+    bad(tmp_path, man, dict(arrays, **{'1.running_var': v}), "'1.running_var' contains 1 NaN or infinite")
+
+
+def test_manifest_not_json(tmp_path, good):
+    _, _, man, arrays = good
+    bad(tmp_path, man, arrays, "not valid UTF-8 JSON", raw_manifest=b'{"format": "tinycomp-model", ')
+    bad(tmp_path, man, arrays, "not valid UTF-8 JSON", raw_manifest=b'\xff\xfe\x00junk')
+    bad(tmp_path, man, arrays, "not valid UTF-8 JSON", raw_manifest=json.dumps(man).replace('0.9', 'NaN').encode())
+    bad(tmp_path, man, arrays, "not a 'tinycomp-model'", raw_manifest=b'[1, 2, 3]')
+    bad(tmp_path, man, arrays, "1-D uint8", raw_manifest=np.zeros(4, np.float32))
+    man2 = copy.deepcopy(man)
+    man2['arrays']['0.weight'] = {'shape': '4,1,3,3', 'dtype': 'float32'}
+    bad(tmp_path, man2, arrays, "manifest entry of array '0.weight'")
+    man3 = copy.deepcopy(man)
+    man3['arrays']['0.weight']['dtype'] = 'not-a-dtype'
+    bad(tmp_path, man3, arrays, "unknown dtype")
+
+
+def test_deep_manifest_is_rejected(tmp_path, good):
+    _, _, man, arrays = good
+    node = {'type': 'Sequential', 'config': {}, 'children': {}}
+    for _ in range(200):
+        node = {'type': 'Sequential', 'config': {}, 'children': {'0': node}}
+    bad(tmp_path, dict(man, model=node), arrays, "deeper than")
