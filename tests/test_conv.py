@@ -1,0 +1,263 @@
+"Tests for tinycomp.conv: conv2d, pooling and BatchNorm against naive references, plus gradient checks."
+import itertools
+
+import numpy as np
+import pytest
+
+from tinycomp.conv import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, adaptive_avg_pool2d,
+                           avg_pool2d, batch_norm, conv2d, conv2d_backward, conv2d_direct_kernel, conv2d_forward,
+                           conv2d_im2col, conv2d_naive, conv2d_weight_grad_kernel, im2col, max_pool2d,
+                           max_pool2d_backward)
+from tinycomp.errors import ShapeError, TinycompError
+from tinycomp.tensor import Tensor, gradcheck
+
+
+def ref_conv(x, w, b, stride, padding, dilation, groups):
+    "Float64 reference: explicit loops over the kernel, vectorised over pixels."
+    sh, sw = stride; ph, pw = padding; dh, dw = dilation
+    n, c, h, wd = x.shape
+    cout, cg, kh, kw = w.shape
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros((n, cout, oh, ow))
+    cog = cout // groups
+    for co in range(cout):
+        g = co // cog
+        for cl in range(cg):
+            for i in range(kh):
+                for j in range(kw):
+                    patch = xp[:, g * cg + cl, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
+                    out[:, co] += w[co, cl, i, j] * patch
+        if b is not None: out[:, co] += b[co]
+    return out
+
+
+def ref_pool(x, k, s, p, mode):
+    n, c, h, w = x.shape
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    fill = -np.inf if mode == 'max' else 0.0
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (p, p), (p, p)), constant_values=fill)
+    out = np.zeros((n, c, oh, ow))
+    for y in range(oh):
+        for xo in range(ow):
+            win = xp[:, :, y * s:y * s + k, xo * s:xo * s + k]
+            out[:, :, y, xo] = win.max(axis=(2, 3)) if mode == 'max' else win.sum(axis=(2, 3)) / (k * k)
+    return out
+
+
+def random_configs(count, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        groups_kind = rng.integers(3)
+        cg = int(rng.integers(1, 4))
+        groups = 1 if groups_kind == 0 else 2 if groups_kind == 1 else int(rng.integers(2, 5))
+        c = cg * groups
+        if groups_kind == 2:                   # depthwise (groups == C), channel multiplier 1 or 2
+            c, groups = groups, groups
+        cout = groups * int(rng.integers(1, 6))
+        k = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+        stride = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        padding = (int(rng.integers(0, 3)), int(rng.integers(0, 3)))
+        dilation = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        n = int(rng.integers(1, 4))
+        h = int(rng.integers(dilation[0] * (k[0] - 1) + 1, 12))
+        w = int(rng.integers(dilation[1] * (k[1] - 1) + 1, 12))
+        yield n, c, h, w, cout, k, stride, padding, dilation, groups
+
+
+CONFIGS = list(random_configs(24, seed=0)) + [
+    (1, 3, 7, 5, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1),      # batch 1, odd sizes
+    (2, 4, 9, 9, 4, (3, 3), (2, 2), (2, 2), (2, 2), 4),      # depthwise, dilated, strided
+    (2, 4, 6, 7, 8, (3, 3), (1, 2), (0, 1), (1, 1), 2),      # groups 2, GEMM path
+    (25, 3, 10, 10, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1),   # 100 pixels per sample: chunks of 20 samples (20 + 5)
+    (1, 2, 50, 50, 4, (3, 3), (1, 1), (1, 1), (1, 1), 1),    # 2500 output pixels: split into row bands
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_conv2d_forward_matches_reference(cfg):
+    n, c, h, w, cout, k, stride, padding, dilation, groups = cfg
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wt = rng.standard_normal((cout, c // groups, *k)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    out = conv2d(x, wt, b, stride, padding, dilation, groups)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out.data, ref_conv(x, wt, b, stride, padding, dilation, groups), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_conv2d_backward_matches_finite_differences(cfg):
+    n, c, h, w, cout, k, stride, padding, dilation, groups = cfg
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n, c, h, w))
+    wt = rng.standard_normal((cout, c // groups, *k))
+    b = rng.standard_normal(cout)
+    out = conv2d_forward(x, wt, b, stride, padding, dilation, groups)
+    v = rng.standard_normal(out.shape)
+    grads = conv2d_backward(v, x, wt, stride, padding, dilation, groups)
+    # the forward is linear in each argument: directional derivatives are exact up to rounding
+    for idx, arr in enumerate((x, wt, b)):
+        d = rng.standard_normal(arr.shape)
+        args = [x, wt, b]
+        args[idx] = arr + d
+        plus = (conv2d_forward(*args, stride, padding, dilation, groups) * v).sum()
+        args[idx] = arr - d
+        minus = (conv2d_forward(*args, stride, padding, dilation, groups) * v).sum()
+        np.testing.assert_allclose((plus - minus) / 2, (grads[idx] * d).sum(), rtol=1e-8, atol=1e-8)
+
+
+def test_conv2d_gradcheck_through_autograd():
+    rng = np.random.default_rng(3)
+    for stride, padding, dilation, groups, c, cout in [(1, 1, 1, 1, 2, 4), (2, 2, 2, 2, 4, 4), (1, 0, 1, 3, 3, 3)]:
+        gradcheck(lambda x, w, b: conv2d(x, w, b, stride, padding, dilation, groups),
+                  rng.standard_normal((1, c, 5, 6)), rng.standard_normal((cout, c // groups, 3, 2)), rng.standard_normal(cout))
+
+
+def test_conv2d_skips_gradients_nobody_needs():
+    x = Tensor(np.ones((1, 2, 4, 4), np.float32))
+    layer = Conv2d(2, 4, 3, padding=1)
+    layer(x).sum().backward()
+    assert x.grad is None and layer.weight.grad.shape == (4, 2, 3, 3) and layer.bias.grad.shape == (4,)
+    np.testing.assert_allclose(layer.bias.grad, np.full(4, 16.0))
+
+
+def test_conv2d_errors():
+    x = np.zeros((1, 3, 5, 5), np.float32)
+    with pytest.raises(ShapeError, match="channels"): conv2d(x, np.zeros((4, 2, 3, 3), np.float32))
+    with pytest.raises(ShapeError, match="4-D"): conv2d(x[0], np.zeros((4, 3, 3, 3), np.float32))
+    with pytest.raises(ShapeError, match="too small"): conv2d(x, np.zeros((4, 3, 7, 7), np.float32))
+    with pytest.raises(ShapeError, match="groups"): Conv2d(3, 4, 3, groups=2)
+    with pytest.raises(TinycompError, match="stride"): conv2d(x, np.zeros((4, 3, 3, 3), np.float32), stride=0)
+
+
+def test_conv2d_layer_init_config_and_repr():
+    layer = Conv2d(6, 4, (3, 1), stride=2, padding=(1, 0), groups=2, bias=False)
+    assert layer.weight.shape == (4, 3, 3, 1) and layer.bias is None
+    cfg = layer.config()
+    assert cfg == dict(in_channels=6, out_channels=4, kernel_size=[3, 1], stride=2, padding=[1, 0], dilation=1,
+                       groups=2, bias=False)
+    assert type(layer)(**cfg).config() == cfg
+    assert 'Conv2d(' in repr(layer)
+    big = Conv2d(16, 8, 3)
+    bound = 1 / np.sqrt(16 * 9)                 # kaiming_uniform(a=sqrt(5)) and the bias bound are both 1/sqrt(fan_in)
+    assert np.abs(big.weight.data).max() <= bound + 1e-7 and np.abs(big.weight.data).max() > 0.8 * bound
+    assert np.abs(big.bias.data).max() <= bound + 1e-7
+    assert sorted(big.state_dict()) == ['bias', 'weight']
+
+
+def test_exercise_functions_agree_with_reference():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 6, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    for s, p in [(1, 0), (1, 1), (2, 1), (2, 2)]:
+        ref = ref_conv(x, w, b, (s, s), (p, p), (1, 1), 1)
+        np.testing.assert_allclose(conv2d_naive(x, w, b, s, p), ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(conv2d_im2col(x, w, b, s, p), ref, rtol=1e-4, atol=1e-4)
+        cols = im2col(x, 3, 3, s, p)
+        oh, ow = ref.shape[2:]
+        assert cols.shape == (27, 2 * oh * ow)
+        xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
+        assert cols[(2 * 3 + 1) * 3 + 2, (1 * oh + oh - 1) * ow + 0] == xp[1, 2, (oh - 1) * s + 1, 0 * s + 2]
+    g = rng.standard_normal((2, 4, 4, 3)).astype(np.float32)
+    dw = conv2d_weight_grad_kernel(x.astype(np.float64), g.astype(np.float64), 3, 3, 2, 2, 2, 1, 1, 1, 1)
+    np.testing.assert_allclose(dw, conv2d_backward(g, x.astype(np.float64), w.astype(np.float64), (2, 2), (2, 1))[1], rtol=1e-10)
+    np.testing.assert_allclose(conv2d_direct_kernel(x, w, 2, 1, 0, 1, 1, 2, 1), ref_conv(x, w, None, (2, 1), (0, 1), (1, 2), 1),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1), (3, 1, 1), (2, 1, 0), (3, 3, 0)])
+def test_pooling_forward_and_gradients(k, s, p):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
+    np.testing.assert_allclose(max_pool2d(x, k, s, p).data, ref_pool(x, k, s, p, 'max'), rtol=1e-6)
+    np.testing.assert_allclose(avg_pool2d(x, k, s, p).data, ref_pool(x, k, s, p, 'avg'), rtol=1e-5, atol=1e-6)
+    xs = rng.standard_normal((1, 2, 7, 6))
+    gradcheck(lambda t: max_pool2d(t, k, s, p), xs)
+    gradcheck(lambda t: avg_pool2d(t, k, s, p), xs)
+    assert MaxPool2d(k, s, p)(x).shape == AvgPool2d(k, s, p)(x).shape
+
+
+def test_max_pool_backward_exercise_routes_to_winners():
+    g = np.arange(1.0, 5.0).reshape(1, 1, 2, 2)
+    idx = np.array([[[[0, 0], [5, 5]]]], dtype=np.int64)        # overlapping windows sharing winners
+    dx = max_pool2d_backward(g, idx, 3, 3)
+    expected = np.zeros((1, 1, 3, 3)); expected[0, 0, 0, 0] = 3; expected[0, 0, 1, 2] = 7
+    np.testing.assert_array_equal(dx, expected)
+
+
+def test_adaptive_avg_pool():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 5, 7))
+    np.testing.assert_allclose(AdaptiveAvgPool2d(1)(x).data[..., 0, 0], x.mean(axis=(2, 3)), rtol=1e-5)
+    out = adaptive_avg_pool2d(x, (2, 3)).data
+    np.testing.assert_allclose(out[1, 2, 1, 2], x[1, 2, 2:5, 4:7].mean(), rtol=1e-5)   # rows floor(5/2)..ceil(10/2)
+    gradcheck(lambda t: adaptive_avg_pool2d(t, 1), rng.standard_normal((2, 2, 3, 4)))
+    gradcheck(lambda t: adaptive_avg_pool2d(t, (2, 3)), rng.standard_normal((1, 2, 5, 7)))
+    assert AdaptiveAvgPool2d(1).config() == dict(output_size=1)
+
+
+def test_batchnorm_train_eval_and_running_stats():
+    rng = np.random.default_rng(7)
+    bn = BatchNorm2d(3, momentum=0.2)
+    bn.weight.data[:] = [1.0, 2.0, 0.5]; bn.bias.data[:] = [0.0, 1.0, -1.0]
+    x1 = (rng.standard_normal((4, 3, 5, 5)) * 3 + 2).astype(np.float32)
+    x2 = (rng.standard_normal((2, 3, 3, 4)) - 1).astype(np.float32)
+    y = bn(x1).data
+    mean, var = x1.mean(axis=(0, 2, 3)), x1.var(axis=(0, 2, 3))
+    ref = (x1 - mean[:, None, None]) / np.sqrt(var[:, None, None] + 1e-5) * bn.weight.data[:, None, None] + bn.bias.data[:, None, None]
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+    bn(x2)
+    rm = 0.8 * (0.8 * 0 + 0.2 * mean) + 0.2 * x2.mean(axis=(0, 2, 3))
+    rv = 0.8 * (0.8 * 1 + 0.2 * x1.var(axis=(0, 2, 3), ddof=1)) + 0.2 * x2.var(axis=(0, 2, 3), ddof=1)
+    np.testing.assert_allclose(bn.running_mean, rm, rtol=1e-5); np.testing.assert_allclose(bn.running_var, rv, rtol=1e-5)
+    assert int(bn.num_batches_tracked) == 2
+    bn.eval()
+    ye = bn(x2).data
+    np.testing.assert_allclose(ye, (x2 - rm[:, None, None]) / np.sqrt(rv[:, None, None] + 1e-5) * bn.weight.data[:, None, None]
+                               + bn.bias.data[:, None, None], rtol=1e-4, atol=1e-4)
+    assert int(bn.num_batches_tracked) == 2 and np.allclose(bn.running_mean, rm)
+    sd = bn.state_dict()
+    assert set(sd) == {'weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked'}
+    fresh = BatchNorm2d(**bn.config()); fresh.load_state_dict(sd); fresh.eval()
+    np.testing.assert_allclose(fresh(x2).data, ye)
+    with pytest.raises(ShapeError): bn(np.zeros((2, 4, 3, 3), np.float32))
+
+
+def test_batchnorm_momentum_none_is_cumulative_average():
+    rng = np.random.default_rng(8)
+    bn = BatchNorm2d(2, momentum=None, affine=False)
+    xs = [rng.standard_normal((3, 2, 2, 2)).astype(np.float32) for _ in range(3)]
+    for x in xs: bn(x)
+    np.testing.assert_allclose(bn.running_mean, np.mean([x.mean(axis=(0, 2, 3)) for x in xs], axis=0), rtol=1e-5, atol=1e-7)
+    assert bn.weight is None and bn.parameters is not None and list(bn.parameters()) == []
+
+
+def test_batchnorm_gradcheck_train_and_eval():
+    rng = np.random.default_rng(9)
+    x, g, b = rng.standard_normal((3, 2, 3, 2)), rng.standard_normal(2), rng.standard_normal(2)
+    gradcheck(lambda x, g, b: batch_norm(x, None, None, g, b, training=True), x, g, b)
+    gradcheck(lambda x, g, b: batch_norm(x, np.array([0.5, -1.0]), np.array([2.0, 0.5]), g, b, training=False), x, g, b)
+    gradcheck(lambda x: batch_norm(x, None, None, training=True), x)
+
+
+def test_small_cnn_learns():
+    from tinycomp.tensor import SGD, Flatten, Linear, ReLU, Sequential, cross_entropy, manual_seed
+    manual_seed(0)
+    rng = np.random.default_rng(10)
+    imgs = rng.standard_normal((32, 1, 8, 8)).astype(np.float32) * 0.3
+    labels = rng.integers(0, 2, 32)
+    for k, l in enumerate(labels):
+        if l: imgs[k, 0, :, 3:5] += 1.5
+        else: imgs[k, 0, 3:5, :] += 1.5
+    net = Sequential(Conv2d(1, 4, 3, padding=1), BatchNorm2d(4), ReLU(), MaxPool2d(2), Conv2d(4, 4, 3, groups=4),
+                     ReLU(), AdaptiveAvgPool2d(1), Flatten(), Linear(4, 2))
+    opt = SGD(net.parameters(), lr=0.1, momentum=0.9)
+    first = None
+    for _ in range(25):
+        loss = cross_entropy(net(imgs), labels)
+        first = first if first is not None else loss.item()
+        opt.zero_grad(); loss.backward(); opt.step()
+    assert loss.item() < 0.5 * first
