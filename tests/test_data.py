@@ -187,6 +187,13 @@ def test_dataloader_batches_in_order():
     assert len(DataLoader(X, y, batch_size=64)) == 1
 
 
+def test_dataloader_accepts_tensors_and_strided_arrays():
+    from tinycomp.tensor import Tensor
+    X = np.arange(40, dtype=np.float32).reshape(10, 4)[:, ::2]
+    xb, yb = next(iter(DataLoader(Tensor(X), np.arange(10), batch_size=3)))
+    assert isinstance(xb, np.ndarray) and np.array_equal(xb, X[:3]) and np.array_equal(yb, [0, 1, 2])
+
+
 def test_dataloader_drop_last():
     X, y = np.zeros((10, 3)), np.arange(10)
     dl = DataLoader(X, y, batch_size=4, drop_last=True)
