@@ -8,7 +8,7 @@ __all__ = ['conv_output_size', 'conv2d_flops', 'conv2d_naive', 'im2col', 'conv2d
            'max_pool2d', 'avg_pool2d', 'adaptive_avg_pool2d', 'MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d',
            'batch_norm', 'BatchNorm2d']
 
-# %% ../nbs/02_conv.ipynb #3b82ef36
+# %% ../nbs/02_conv.ipynb #28d61252
 import math
 import time
 
@@ -18,7 +18,7 @@ from numba import njit, prange
 from .errors import ShapeError, TinycompError
 from .tensor import Module, Parameter, Tensor, as_tensor, default_init_
 
-# %% ../nbs/02_conv.ipynb #573809fb
+# %% ../nbs/02_conv.ipynb #5256742f
 def _pair(v, name='argument'):
     "`v` as a pair of ints (`3` -> `(3, 3)`, `(2, 1)` stays)."
     if isinstance(v, (int, np.integer)): return int(v), int(v)
@@ -35,7 +35,7 @@ def conv2d_flops(x_shape, w_shape, out_shape):
     n, cout, oh, ow = out_shape
     return 2 * n * cout * oh * ow * int(np.prod(w_shape[1:]))
 
-# %% ../nbs/02_conv.ipynb #b38e2d15
+# %% ../nbs/02_conv.ipynb #d29dd63a
 def conv2d_naive(x, weight, bias=None, stride=1, padding=0):
     """2-D convolution of `x` (N, C, H, W) with `weight` (Cout, C, kh, kw) and optional `bias` (Cout,),
     with integer `stride` and zero `padding` (groups=1, dilation=1). Returns a float32 array (N, Cout, OH, OW).
@@ -66,7 +66,7 @@ def conv2d_naive(x, weight, bias=None, stride=1, padding=0):
     return out
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #ef491db2
+# %% ../nbs/02_conv.ipynb #bb3cfdac
 def im2col(x, kh, kw, stride=1, padding=0):
     """Unfold `x` (N, C, H, W) into columns of shape (C*kh*kw, N*OH*OW) for a kh x kw window with
     integer `stride` and zero `padding`.
@@ -100,7 +100,7 @@ def conv2d_im2col(x, weight, bias=None, stride=1, padding=0):
     if bias is not None: out = out + np.asarray(bias, np.float32)[:, None, None]
     return np.ascontiguousarray(out)
 
-# %% ../nbs/02_conv.ipynb #4596f692
+# %% ../nbs/02_conv.ipynb #f0ad08f0
 def _best_time(fn, repeats=5, warmup=1):
     "Best wall time in seconds of `fn()` over `repeats` runs after `warmup` runs (a quick notebook timer)."
     for _ in range(warmup): fn()
@@ -109,7 +109,7 @@ def _best_time(fn, repeats=5, warmup=1):
         t0 = time.perf_counter_ns(); fn(); best = min(best, (time.perf_counter_ns() - t0) * 1e-9)
     return best
 
-# %% ../nbs/02_conv.ipynb #98785ca8
+# %% ../nbs/02_conv.ipynb #48434ec2
 @njit(parallel=True, cache=True, fastmath=True)
 def conv2d_direct_kernel(x, weight, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups):
     """Direct convolution (no bias) of `x` (N, C, H, W) with `weight` (Cout, C//groups, kh, kw), compiled by Numba.
@@ -151,7 +151,7 @@ def conv2d_direct_kernel(x, weight, stride_h, stride_w, pad_h, pad_w, dil_h, dil
     return out
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #c1d5315c
+# %% ../nbs/02_conv.ipynb #6fbffbe5
 @njit(cache=True)
 def _im2col_chunk(x, c0, cg, n0, n1, y0, y1, kh, kw, sh, sw, ph, pw, dh, dw, ow, cols):
     "Unfold channels [c0, c0+cg) of samples [n0, n1), output rows [y0, y1) of `x` into `cols` (cg*kh*kw, Q)."
@@ -263,7 +263,7 @@ def _chunks(n, oh, ow, target=2048):
     k = max(1, target // per_sample)
     return [(i, min(n, i + k), 0, oh) for i in range(0, n, k)]
 
-# %% ../nbs/02_conv.ipynb #23a95750
+# %% ../nbs/02_conv.ipynb #524683eb
 def _geometry(x_shape, w_shape, stride, padding, dilation, groups):
     "Validate a conv2d call and return (sh, sw, ph, pw, dh, dw, oh, ow)."
     if len(x_shape) != 4:
@@ -318,7 +318,7 @@ def conv2d_forward(x, weight, bias=None, stride=1, padding=0, dilation=1, groups
             _scatter_out(tmp, out, g * cog, n0, n1, y0, y1, b, has_bias)
     return out
 
-# %% ../nbs/02_conv.ipynb #9f75861c
+# %% ../nbs/02_conv.ipynb #de434881
 @njit(parallel=True, cache=True, fastmath=True)
 def conv2d_weight_grad_kernel(x, grad_out, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups):
     """Gradient of a conv2d's loss with respect to its weight, for input `x` (N, C, H, W) and output gradient
@@ -423,7 +423,7 @@ def conv2d_backward(grad_out, x, weight, stride=1, padding=0, dilation=1, groups
                 _col2im_chunk_add(cols, dx, gi * cg, cg, n0, n1, y0, y1, kh, kw, sh, sw, ph, pw, dh, dw, ow)
     return dx, (dwm.reshape(weight.shape) if need_weight else None), db
 
-# %% ../nbs/02_conv.ipynb #9a249b0e
+# %% ../nbs/02_conv.ipynb #425b0e53
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     "2-D convolution with PyTorch's semantics (NCHW input, weight (Cout, Cin/groups, kh, kw)), differentiable."
     x, w = as_tensor(input), as_tensor(weight)
@@ -462,7 +462,7 @@ class Conv2d(Module):
     def forward(self, x):
         return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
-# %% ../nbs/02_conv.ipynb #d2f42aa8
+# %% ../nbs/02_conv.ipynb #97d7e29d
 @njit(cache=True)
 def _max_pool2d_kernel(x, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     "Max pooling forward: (values, flat indices into each (H, W) plane)."
@@ -638,7 +638,7 @@ class AdaptiveAvgPool2d(Module):
     def config(self): return dict(output_size=_config_pair(self.output_size))
     def forward(self, x): return adaptive_avg_pool2d(x, self.output_size)
 
-# %% ../nbs/02_conv.ipynb #966da1b4
+# %% ../nbs/02_conv.ipynb #11cf409a
 def batch_norm(input, running_mean=None, running_var=None, weight=None, bias=None, training=False, momentum=0.1,
                eps=1e-5, num_batches_tracked=None):
     "Batch normalisation over (N, H, W) per channel (PyTorch's `F.batch_norm`); updates running stats in place."
