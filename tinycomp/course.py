@@ -11,7 +11,7 @@ __all__ = ['BEGIN_MARK', 'END_MARK', 'DEFAULT_MEM_LIMIT', 'IMPORT_TIMEOUT', 'rea
            'format_report', 'progress_path', 'load_progress', 'record_progress', 'status', 'default_notebook',
            'test_module', 'grade', 'add_cli', 'course_main']
 
-# %% ../nbs/98_course.ipynb #91d61ce0
+# %% ../nbs/98_course.ipynb #cfb0f628
 import ast, csv, datetime, io, json, os, re, secrets, shutil, signal, subprocess, sys, tempfile, textwrap, time
 import traceback, zipfile, zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +23,7 @@ import numpy as np
 from .errors import GradingError
 from .checks import Check, ModuleSpec, MODULES, get_spec, resolve_spec, package_dir
 
-# %% ../nbs/98_course.ipynb #dafc680d
+# %% ../nbs/98_course.ipynb #b463d1cf
 def read_notebook(path) -> dict:
     "Parse the notebook at `path`; `GradingError` if it is missing or not a notebook."
     path = Path(path)
@@ -60,7 +60,7 @@ def is_export_cell(cell: dict) -> bool:
     d = cell_directives(cell_source(cell))
     return 'export' in d or 'exports' in d
 
-# %% ../nbs/98_course.ipynb #4259ab20
+# %% ../nbs/98_course.ipynb #516249f3
 BEGIN_MARK, END_MARK = '### BEGIN SOLUTION', '### END SOLUTION'
 _MARKER = re.compile(r'#+\s*(BEGIN|END)\s+SOLUTION', re.I)
 
@@ -154,7 +154,7 @@ def find_exercises(nb: dict, where: str = 'notebook') -> list:
             exercises.append(Exercise(name, ci, b, e, indent, len(exercises) + 1))
     return exercises
 
-# %% ../nbs/98_course.ipynb #0d969fe3
+# %% ../nbs/98_course.ipynb #cf03f634
 def make_notebook(cells: list, default_exp: str = None) -> dict:
     "A minimal nbformat-4 notebook from `(cell_type, source)` pairs (used by demos and tests)."
     cs = [{'cell_type': t, 'id': f'c{i}', 'metadata': {}, 'source': s,
@@ -162,7 +162,7 @@ def make_notebook(cells: list, default_exp: str = None) -> dict:
     return {'cells': cs, 'metadata': {'kernelspec': {'display_name': 'Python 3', 'language': 'python', 'name': 'python3'}},
             'nbformat': 4, 'nbformat_minor': 5}
 
-# %% ../nbs/98_course.ipynb #5c0c2274
+# %% ../nbs/98_course.ipynb #006cbf85
 _MIN_SOLUTION_LINE = 24
 
 def _norm(line):
@@ -210,22 +210,25 @@ def student_notebook(nb: dict, key: str, where: str = 'notebook') -> tuple:
     return out, exercises
 
 def _refuse_surviving_solutions(student, solution_lines, where):
-    "Refuse a student notebook with a marker, or with half or more of some block's substantial lines elsewhere."
-    found = {}
+    "Refuse a student notebook with a marker, or where half or more of some block's substantial lines appear elsewhere."
+    code = []
     for ci, cell in enumerate(student['cells']):
         for li, line in enumerate(cell_source(cell).splitlines()):
             if _MARKER.search(line):
                 raise GradingError(f"{_where(where, ci, li)}: a solution marker would survive in the student notebook")
-            if cell.get('cell_type') == 'code': found.setdefault(_norm(line), (ci, li))
+            if cell.get('cell_type') == 'code': code.append((ci, li, _norm(line)))
     for name, lines in solution_lines.items():
-        hits = sorted((found[n], n) for n in lines if n in found)
+        hits = []
+        for n in lines:
+            at = next(((ci, li) for ci, li, c in code if n in c), None)
+            if at: hits.append((at, n))
         if lines and 2 * len(hits) >= len(lines):
-            (ci, li), n = hits[0]
+            (ci, li), n = min(hits)
             raise GradingError(f"{_where(where, ci, li)}: solution code of {name} would survive in the student notebook "
                                f"({len(hits)} of its {len(lines)} substantial lines appear outside the block, e.g. {n!r}). "
                                "Move it inside the solution block or rewrite it.")
 
-# %% ../nbs/98_course.ipynb #9d3193d3
+# %% ../nbs/98_course.ipynb #bb46b24c
 _LEARNER_NB = re.compile(r'^(\d\d)_(\w+)\.ipynb$')
 
 def learner_notebooks(nbs_path) -> list:
@@ -247,7 +250,7 @@ def repo_root(start=None) -> Path:
 
 def _dumps_nb(nb) -> str: return json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + '\n'
 
-# %% ../nbs/98_course.ipynb #f8ed1208
+# %% ../nbs/98_course.ipynb #85e391a0
 def _objectives(nb):
     md = [cell_source(c) for c in nb['cells'] if c.get('cell_type') == 'markdown']
     title, summary = None, None
@@ -294,7 +297,7 @@ def module_readme(nb: dict, key: str, name: str, exercises: list, spec: ModuleSp
 
 def _fmt(x): return f"{x:g}"
 
-# %% ../nbs/98_course.ipynb #8da41d2f
+# %% ../nbs/98_course.ipynb #822a8ebb
 def build_release(nbs_path, specs=None, keys=None) -> dict:
     "`{relative path: text}` of every file `tinycomp release` writes for the notebooks in `nbs_path` (or modules `keys`)."
     specs = MODULES if specs is None else specs
@@ -352,7 +355,7 @@ def _atomic_write(path: Path, data):
         if os.path.exists(tmp): os.unlink(tmp)
         raise
 
-# %% ../nbs/98_course.ipynb #e93bc7c5
+# %% ../nbs/98_course.ipynb #fa55f3f1
 def save_npz(path, arrays: dict):
     "Deterministic, pickle-free `.npz` of `arrays` at `path` (written atomically)."
     buf = io.BytesIO()
@@ -438,7 +441,7 @@ def refs(check: bool = False, specs=None, keys=None, quiet: bool = False) -> int
     if not quiet: print(f"refs: wrote {written} reference file(s)")
     return 0
 
-# %% ../nbs/98_course.ipynb #628883aa
+# %% ../nbs/98_course.ipynb #e81f4632
 class _Blocker:
     "Meta-path finder that refuses to import the reference solution of the module under test."
     def __init__(self, blocked, key): self.blocked, self.key = tuple(blocked), key
@@ -543,7 +546,7 @@ def child_main(job_file: str):
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
 
-# %% ../nbs/98_course.ipynb #96a69c08
+# %% ../nbs/98_course.ipynb #3543be10
 DEFAULT_MEM_LIMIT = 3 << 30      # bytes of address space; Numba/LLVM need about 1 GiB of it
 IMPORT_TIMEOUT = 60.0            # seconds to import the learner's module
 
@@ -581,6 +584,7 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
     module_file = work / f"{module_name}.py"
     module_file.write_text(module_code, encoding='utf-8')
     for j in jobs: save_npz(work / f"in_{j.id}.npz", j.inputs)
+    timeouts = {c.id: c.timeout for c in spec.checks}    # the spec's limits (jobs may come from a shared preparation)
     results, remaining, run = {}, list(jobs), 0
     while remaining:
         run += 1
@@ -628,12 +632,13 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
                         results[j.id] = {'status': 'error', 'type': 'Crash', 'message':
                                          f"the process running your code exited (code {proc.returncode}) during this check. {_tail(log, 300)}"}
                         restart = True; break
-                    if time.monotonic() - t0 > j.check.timeout:
+                    limit = timeouts.get(j.check.id, j.check.timeout)
+                    if time.monotonic() - t0 > limit:
                         _kill_group(proc)
-                        results[j.id] = {'status': 'timeout', 'message': f"timed out after {j.check.timeout:g} s"}
+                        results[j.id] = {'status': 'timeout', 'message': f"timed out after {limit:g} s"}
                         for k in remaining:
                             if k.id not in results and k.check.exercise == j.check.exercise:
-                                results[k.id] = {'status': 'timeout', 'message': f"not run: an earlier check of this exercise timed out after {j.check.timeout:g} s"}
+                                results[k.id] = {'status': 'timeout', 'message': f"not run: an earlier check of this exercise timed out after {limit:g} s"}
                         restart = True; break
                     time.sleep(poll)
                 if restart: break
@@ -642,7 +647,7 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
         remaining = [j for j in remaining if j.id not in results]
     return results
 
-# %% ../nbs/98_course.ipynb #6effa16b
+# %% ../nbs/98_course.ipynb #a51e91e2
 def _fmt_array(a, idx=None):
     if a.size <= 8: return np.array2string(a, precision=5, separator=', ', threshold=8).replace('\n', ' ')
     return f"{a[idx]!r} at index {idx}" if idx is not None else f"array of shape {a.shape}"
@@ -677,7 +682,7 @@ def compare_outputs(expected: dict, got_path, check: Check) -> tuple:
                            f"{float(np.max(err)):.3g} ({int(bad.sum())} of {exp.size} entries outside rtol={check.rtol:g}, atol={check.atol:g})")
     return True, ''
 
-# %% ../nbs/98_course.ipynb #b5119660
+# %% ../nbs/98_course.ipynb #1bfa9225
 @dataclass
 class ExerciseResult:
     number: str
@@ -738,13 +743,15 @@ def exported_code(nb: dict, where='notebook') -> tuple:
     if not parts: raise GradingError(f"{where}: no `#| export` cells found; is this the right notebook?")
     return ''.join(parts), line_map
 
-def _learner_line(info, line_map):
-    if 'file_line' not in info: return ''
+def _learner_line(info, line_map, text=True):
+    "' (your cell 12, line 3: `code`)' for the learner's last frame in `info`, or ''."
+    if not isinstance(info.get('file_line'), int): return ''
     fl, cell = info['file_line'], None
     for start, ci in line_map:
         if fl >= start: cell, first = ci, start
     if cell is None: return ''
-    return f" (your cell {cell}, line {fl - first + 1}: `{info.get('text', '')}`)"
+    code = f": `{info.get('text', '')}`" if text else ''
+    return f" (your cell {cell}, line {fl - first + 1}{code})"
 
 def _input_size(inputs): return sum(int(np.asarray(v).size) for v in inputs.values())
 
@@ -777,8 +784,9 @@ def grade_notebook(spec: ModuleSpec, notebook, seed: int = None, prepared=None, 
                 r = {'status': 'pass' if ok else 'fail', 'message': msg}
             elif r['status'] == 'error':
                 todo = r.get('type') == 'NotImplementedError' and 'Exercise' in r.get('message', '')
+                where = _learner_line(r, line_map)
                 r = {'status': 'todo' if todo else 'error',
-                     'message': ('not implemented yet' if todo else r.get('message', '')) + _learner_line(r, line_map)}
+                     'message': ('not implemented yet' + _learner_line(r, line_map, text=False)) if todo else r.get('message', '') + where}
             per_check.setdefault(j.check.id, []).append((j, r))
         exercises = []
         for i, name in enumerate(names):
@@ -800,7 +808,8 @@ def grade_notebook(spec: ModuleSpec, notebook, seed: int = None, prepared=None, 
             diag = ''
             if fails:
                 pri = {'fail': 0, 'error': 1, 'timeout': 2, 'todo': 3}
-                j, r = min(fails, key=lambda jr: (pri.get(jr[1]['status'], 4), _input_size(jr[0].inputs)))
+                j, r = min(fails, key=lambda jr: (pri.get(jr[1]['status'], 4), jr[1]['message'].startswith('not run'),
+                                                  _input_size(jr[0].inputs)))
                 diag = f"{j.check.name} [{j.case} inputs: {_describe_inputs(j.inputs)}]: {r['message']}"
                 if r['status'] in ('todo',): diag = r['message']
             exercises.append(ExerciseResult(f"{spec.key}.{i + 1}", name, earned, pts[name], status, diag, checks))
@@ -812,7 +821,7 @@ def grade_notebook(spec: ModuleSpec, notebook, seed: int = None, prepared=None, 
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-# %% ../nbs/98_course.ipynb #7feb3f7e
+# %% ../nbs/98_course.ipynb #588623a8
 def format_report(report: Report) -> str:
     "The table `tinycomp test` prints."
     w = max([len(e.name) for e in report.exercises] + [8])
@@ -828,7 +837,7 @@ def format_report(report: Report) -> str:
         for e in fails: lines.append(f"  {e.number} {e.name}: " + textwrap.shorten(e.diagnosis, 600, placeholder=' ...'))
     return '\n'.join(lines)
 
-# %% ../nbs/98_course.ipynb #4df46963
+# %% ../nbs/98_course.ipynb #ebe90b3a
 def progress_path() -> Path:
     "Where the per-user progress file lives."
     home = os.environ.get('TINYCOMP_HOME')
@@ -871,7 +880,7 @@ def status(path=None, specs=None) -> int:
     print(f"(progress file: {path or progress_path()})")
     return 0
 
-# %% ../nbs/98_course.ipynb #d9d34350
+# %% ../nbs/98_course.ipynb #654af5bd
 def default_notebook(spec: ModuleSpec, start=None) -> Path:
     "The learner's copy `modules/NN_name/NN_name.ipynb`, searched from the current directory upwards."
     rel = Path('modules') / spec.notebook / f"{spec.notebook}.ipynb"
@@ -892,7 +901,7 @@ def test_module(key: str, notebook=None, json_path=None, seed=None, record=True,
 
 test_module.__test__ = False  # not a pytest test
 
-# %% ../nbs/98_course.ipynb #60f015e0
+# %% ../nbs/98_course.ipynb #2e15503f
 def _learners(directory: Path, spec: ModuleSpec) -> list:
     out = []
     for p in sorted(directory.iterdir()):
@@ -946,7 +955,7 @@ def grade(directory, module: str, out, jobs: int = 1, seed: int = None, spec=Non
     if progress: print(f"gradebook: {len(rows)} learner(s), fresh seed {prepared[0]}, written to {out}")
     return 0
 
-# %% ../nbs/98_course.ipynb #66fb3abd
+# %% ../nbs/98_course.ipynb #81e46234
 def _cli_guard(fn):
     def run(args):
         try: return fn(args)
