@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CONV_SHAPES', 'blas_threads', 'set_threads', 'thread_info', 'time_fn', 'conv_benchmark', 'add_cli']
 
-# %% ../nbs/97_bench.ipynb #7088e830
+# %% ../nbs/97_bench.ipynb #a1daf69b
 import ctypes
 import glob
 import json
@@ -18,7 +18,7 @@ import numpy as np
 
 from .conv import conv2d_backward, conv2d_flops, conv2d_forward, conv2d_im2col, conv2d_naive
 
-# %% ../nbs/97_bench.ipynb #471e01ef
+# %% ../nbs/97_bench.ipynb #4a1fe5df
 def _openblas():
     "The OpenBLAS shared library NumPy loaded, or None."
     paths = []
@@ -66,7 +66,7 @@ def _torch():
     except ImportError:
         return None
 
-# %% ../nbs/97_bench.ipynb #78dae93d
+# %% ../nbs/97_bench.ipynb #7aa4f10b
 def time_fn(fn, repeats=20, warmup=2):
     "Time `fn()`: dict with median, p90, mean and min seconds, coefficient of variation, and a >10 % CV flag."
     for _ in range(warmup): fn()
@@ -77,10 +77,10 @@ def time_fn(fn, repeats=20, warmup=2):
     return dict(median=float(np.median(ts)), p90=float(np.percentile(ts, 90)), mean=float(ts.mean()),
                 min=float(ts.min()), cv=cv, noisy=cv > 0.10, repeats=int(repeats))
 
-# %% ../nbs/97_bench.ipynb #aaee90bc
+# %% ../nbs/97_bench.ipynb #6ba9f7be
 CONV_SHAPES = [(64, 1, 8, 8, 16), (64, 16, 8, 8, 32), (32, 3, 32, 32, 32), (32, 32, 16, 16, 64), (1, 64, 56, 56, 64)]
 
-def _conv_row(shape, repeats, naive, torch):
+def _conv_row(shape, repeats, naive, torch, settle=0.2):
     n, cin, h, w, cout = shape
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, cin, h, w)).astype(np.float32)
@@ -90,6 +90,7 @@ def _conv_row(shape, repeats, naive, torch):
     g = rng.standard_normal((n, cout, h, w)).astype(np.float32)
     res = dict(shape=list(shape), gflop=flops / 1e9, timings={})
     def add(name, fn, reps, fl):
+        time.sleep(settle)   # let the previous runtime's spinning threads (OpenBLAS, OpenMP) go to sleep first
         t = time_fn(fn, repeats=reps, warmup=0 if name == 'naive' else 2)
         res['timings'][name] = dict(t, gflops=fl / t['median'] / 1e9)
     if naive: add('naive', lambda: conv2d_naive(x, wt, b, 1, 1), 1, flops)
@@ -145,7 +146,7 @@ def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_to
         with open(json_path, 'w') as f: json.dump(result, f, indent=1)
     return result
 
-# %% ../nbs/97_bench.ipynb #ddc5b26c
+# %% ../nbs/97_bench.ipynb #057be5dd
 def _run_conv(args):
     conv_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats, use_torch=not args.no_torch)
     return 0
