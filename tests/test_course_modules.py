@@ -30,6 +30,14 @@ MUTANTS = {
         'SGD.step': ('d = d + self.momentum * v if self.nesterov else v', 'd = d - self.momentum * v if self.nesterov else v'),
         'Adam.step': ('m_hat = self.m[i] / (1 - b1 ** self.t)', 'm_hat = self.m[i]'),  # missing bias correction
     },
+    '02': {
+        'conv2d_naive': ('xp[n, c, y * stride + i, xo * stride + j]', 'xp[n, c, y + i, xo + j]'),   # stride ignored
+        'im2col': ('xp[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride]',
+                   'xp[:, :, j:j + stride * oh:stride, i:i + stride * ow:stride]'),                 # i and j swapped
+        'conv2d_direct_kernel': ('ix = xo * stride_w - pad_w + j * dil_w', 'ix = xo * stride_w - pad_w + j'),  # dilation lost
+        'conv2d_weight_grad_kernel': ('iy = y * stride_h - pad_h + i * dil_h', 'iy = y * stride_h + i * dil_h'),  # padding lost
+        'max_pool2d_backward': ('dx[n, c, k // width, k % width] += ', 'dx[n, c, k // width, k % width] = '),  # overwrite
+    },
 }
 
 
@@ -203,7 +211,7 @@ def test_infinite_loop_times_out_only_that_exercise(tmp_path):
         lines = cell_source(nb['cells'][ex.cell]).splitlines()
         lines.insert(ex.begin + 1, f"{ex.indent}while True: pass")
         nb['cells'][ex.cell]['source'] = '\n'.join(lines)
-        fast = replace(spec, checks=[replace(c, timeout=min(c.timeout, 3.0)) for c in spec.checks])
+        fast = replace(spec, checks=[replace(c, timeout=3.0) if c.exercise == victim else c for c in spec.checks])
         r = grade_notebook(fast, write(tmp_path, f'loop{key}.ipynb', nb), prepared=_prepared(key),
                            spec_ref=f'tinycomp.checks:MODULES/{key}')
         by = {e.name: e for e in r.exercises}

@@ -6,7 +6,7 @@
 __all__ = ['MODULES', 'Check', 'ModuleSpec', 'package_dir', 'register', 'get_spec', 'resolve_spec', 'arr', 'f32', 'shape_of',
            'broadcast_pair']
 
-# %% ../nbs/98a_checks.ipynb #aeff7fcb
+# %% ../nbs/98a_checks.ipynb #1e1bf0d0
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import GradingError
 
-# %% ../nbs/98a_checks.ipynb #81825c48
+# %% ../nbs/98a_checks.ipynb #b0562375
 @dataclass
 class Check:
     "One graded check of one exercise."
@@ -79,7 +79,7 @@ def resolve_spec(ref: str) -> ModuleSpec:
     obj = getattr(importlib.import_module(mod), name)
     return obj[key] if key else obj
 
-# %% ../nbs/98a_checks.ipynb #d2a5be00
+# %% ../nbs/98a_checks.ipynb #0f641206
 def arr(x) -> np.ndarray:
     "`x` as an ndarray (a Tensor's `.data`)."
     if not isinstance(x, np.ndarray) and hasattr(x, 'data') and not isinstance(x, (bytes, memoryview)): x = x.data
@@ -102,7 +102,7 @@ def broadcast_pair(rng, ndim_max=3):
     a, b = squash(), squash()
     return a, b, tuple(out)
 
-# %% ../nbs/98a_checks.ipynb #300585f6
+# %% ../nbs/98a_checks.ipynb #ac95853a
 def _unbroadcast_inputs(kind):
     def make(rng):
         m, n, b = (int(rng.integers(2, 6)) for _ in range(3))
@@ -277,4 +277,106 @@ register(ModuleSpec('01', 'tensor', 'tinycomp.tensor', blocked=('tinycomp.nn', '
     Check('SGD.step', 'nesterov_weight_decay', 1, _opt_inputs('nesterov'), _run_sgd),
     Check('Adam.step', 'default', 1.5, _opt_inputs('adam'), _run_adam),
     Check('Adam.step', 'weight_decay', 1.5, _opt_inputs('adam_wd'), _run_adam),
+]))
+
+# %% ../nbs/98a_checks.ipynb #d36b40c6
+def _conv_geometry(kind, rng):
+    "(x shape, weight shape, stride, padding, dilation, groups) for a named kind of convolution."
+    r = lambda a, b: int(rng.integers(a, b))
+    n, c, cout = r(1, 3), r(2, 4), r(2, 5)
+    while cout == c: cout = r(2, 5)
+    h, w = r(5, 8), r(5, 8)
+    while w == h: w = r(5, 9)
+    kh, kw = r(1, 4), r(1, 4)
+    while kw == kh: kw = r(1, 4)
+    if kind == 'basic': return (n, c, h, w), (cout, c, kh, kw), (1, 1), (0, 0), (1, 1), 1
+    if kind == 'strided': return (n, c, h, w), (cout, c, kh, kw), (2, r(1, 3)), (1, r(0, 3)), (1, 1), 1
+    if kind == 'dilated': return (n, c, h + 2, w + 2), (cout, c, kh, kw), (r(1, 3), 1), (r(0, 2), 1), (2, r(1, 3)), 1
+    if kind == 'groups':
+        g = 2; cg = r(1, 3); cog = r(1, 3)
+        return (n, g * cg, h, w), (g * cog, cg, kh, kw), (1, 2), (1, 0), (1, 1), g
+    if kind == 'depthwise': return (n, c, h, w), (c, 1, 3, 3), (1, 1), (1, 1), (1, 1), c
+    raise ValueError(kind)
+
+def _naive_inputs(kind):
+    def make(rng):
+        xs, ws, st, pad, _, _ = _conv_geometry('basic' if kind == 'basic' else 'strided', rng)
+        d = {'x': f32(rng, *xs), 'weight': f32(rng, *ws), 'stride': np.array(st[0]), 'padding': np.array(pad[0])}
+        if kind == 'basic': d['bias'] = f32(rng, ws[0])
+        return d
+    return make
+
+def _run_naive(ns, i):
+    bias = i.get('bias')
+    return {'out': arr(ns.conv2d_naive(i['x'], i['weight'], bias, stride=int(i['stride']), padding=int(i['padding'])))}
+
+def _im2col_inputs(kind):
+    def make(rng):
+        xs, ws, st, pad, _, _ = _conv_geometry('basic' if kind == 'basic' else 'strided', rng)
+        x = f32(rng, *xs).astype(np.float64) if kind == 'float64' else f32(rng, *xs)
+        return {'x': x, 'kh': np.array(ws[2]), 'kw': np.array(ws[3]), 'stride': np.array(st[0]), 'padding': np.array(pad[0])}
+    return make
+
+def _run_im2col(ns, i):
+    return {'cols': arr(ns.im2col(i['x'], int(i['kh']), int(i['kw']), stride=int(i['stride']), padding=int(i['padding'])))}
+
+def _geom_args(i):
+    return tuple(int(v) for v in i['geom'])      # stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups
+
+def _kernel_inputs(kind, grad=False):
+    def make(rng):
+        xs, ws, st, pad, dil, g = _conv_geometry(kind, rng)
+        d = {'x': f32(rng, *xs), 'weight': f32(rng, *ws), 'geom': np.array([*st, *pad, *dil, g], np.int64)}
+        if grad:
+            oh = (xs[2] + 2 * pad[0] - dil[0] * (ws[2] - 1) - 1) // st[0] + 1
+            ow = (xs[3] + 2 * pad[1] - dil[1] * (ws[3] - 1) - 1) // st[1] + 1
+            d['grad_out'] = f32(rng, xs[0], ws[0], oh, ow)
+        return d
+    return make
+
+def _run_direct(ns, i):
+    return {'out': arr(ns.conv2d_direct_kernel(np.ascontiguousarray(i['x']), np.ascontiguousarray(i['weight']), *_geom_args(i)))}
+
+def _run_wgrad(ns, i):
+    kh, kw = i['weight'].shape[2:]
+    return {'dw': arr(ns.conv2d_weight_grad_kernel(np.ascontiguousarray(i['x']), np.ascontiguousarray(i['grad_out']),
+                                                   int(kh), int(kw), *_geom_args(i)))}
+
+def _pool_back_inputs(kind):
+    def make(rng):
+        n, c = int(rng.integers(1, 3)), int(rng.integers(2, 4))
+        oh = int(rng.integers(2, 4)); ow = oh + int(rng.integers(1, 3))
+        h, w = 2 * oh + int(rng.integers(0, 2)), 2 * ow + int(rng.integers(0, 2))
+        if kind == 'windows':        # the winners of real 2x2/stride-2 windows: each input position wins at most once
+            iy = np.arange(oh)[:, None] * 2 + rng.integers(0, 2, (n, c, oh, ow))
+            ix = np.arange(ow)[None, :] * 2 + rng.integers(0, 2, (n, c, oh, ow))
+            idx = iy * w + ix
+        else:                        # overlapping windows: positions win several times, so gradients must add up
+            pool = rng.choice(h * w, size=max(2, oh * ow // 2), replace=False)
+            idx = rng.choice(pool, (n, c, oh, ow))
+        return {'grad_out': f32(rng, n, c, oh, ow), 'indices': idx.astype(np.int64), 'height': np.array(h), 'width': np.array(w)}
+    return make
+
+def _run_pool_back(ns, i):
+    return {'dx': arr(ns.max_pool2d_backward(np.ascontiguousarray(i['grad_out']), np.ascontiguousarray(i['indices']),
+                                             int(i['height']), int(i['width'])))}
+
+register(ModuleSpec('02', 'conv', 'tinycomp.conv',
+                    blocked=('tinycomp.nn', 'tinycomp.models', 'tinycomp.bench', 'tinycomp.quantization', 'tinycomp.pruning'), checks=[
+    Check('conv2d_naive', 'bias', 1.5, _naive_inputs('basic'), _run_naive, timeout=20),
+    Check('conv2d_naive', 'stride_padding', 1.5, _naive_inputs('strided'), _run_naive, timeout=20),
+    Check('im2col', 'basic', 1, _im2col_inputs('basic'), _run_im2col),
+    Check('im2col', 'stride_padding', 1, _im2col_inputs('strided'), _run_im2col),
+    Check('im2col', 'keeps_float64', 1, _im2col_inputs('float64'), _run_im2col, exact_dtype=True),
+    Check('conv2d_direct_kernel', 'basic', 1, _kernel_inputs('basic'), _run_direct, timeout=60),
+    Check('conv2d_direct_kernel', 'strided_padded', 1, _kernel_inputs('strided'), _run_direct, timeout=30),
+    Check('conv2d_direct_kernel', 'dilated', 1, _kernel_inputs('dilated'), _run_direct, timeout=30),
+    Check('conv2d_direct_kernel', 'groups', 1, _kernel_inputs('groups'), _run_direct, timeout=30),
+    Check('conv2d_direct_kernel', 'depthwise', 1, _kernel_inputs('depthwise'), _run_direct, timeout=30),
+    Check('conv2d_weight_grad_kernel', 'basic', 1, _kernel_inputs('basic', True), _run_wgrad, timeout=60),
+    Check('conv2d_weight_grad_kernel', 'strided_padded', 1, _kernel_inputs('strided', True), _run_wgrad, timeout=30),
+    Check('conv2d_weight_grad_kernel', 'dilated', 1, _kernel_inputs('dilated', True), _run_wgrad, timeout=30),
+    Check('conv2d_weight_grad_kernel', 'groups', 1, _kernel_inputs('groups', True), _run_wgrad, timeout=30),
+    Check('max_pool2d_backward', 'windows', 1, _pool_back_inputs('windows'), _run_pool_back, timeout=60),
+    Check('max_pool2d_backward', 'overlapping', 2, _pool_back_inputs('overlapping'), _run_pool_back, timeout=30),
 ]))
