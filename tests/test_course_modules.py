@@ -233,3 +233,32 @@ def test_memory_hog_fails_only_that_exercise(tmp_path):
         by = {e.name: e for e in r.exercises}
         assert by[victim].points == 0 and 'MemoryError' in by[victim].diagnosis
         assert all(e.points == e.possible for n, e in by.items() if n != victim)
+
+
+DELEGATE = '''#| export
+import gc as _gc, sys as _sys
+def _find_reference(name):
+    for m in list(_sys.modules.values()):
+        f = getattr(m, name, None)
+        if callable(f) and not getattr(m, '__name__', '').startswith('learner_'): return f
+    for dep in ('log_softmax_forward', 'log_softmax_backward', 'unbroadcast', 'add_backward'):
+        g = getattr(globals()[dep], '__globals__', {})
+        if name in g: return g[name]
+    for o in _gc.get_objects():
+        code = getattr(o, '__code__', None)
+        if getattr(o, '__name__', None) == name and code is not None and 'learner_' not in code.co_filename: return o
+    return None
+def cross_entropy(logits, labels, reduction='mean'):
+    f = _find_reference('cross_entropy')
+    if f is None: raise RuntimeError('no reference found')
+    return f(logits, labels, reduction)
+'''
+
+
+def test_delegating_to_the_reference_through_the_grader_gains_nothing(tmp_path):
+    "Dependencies swapped in for a check are private copies: no path from them (or sys.modules, or gc) to the solution."
+    spec = get_spec('01')
+    nb = _with_cell(read_notebook(student_path('01')), DELEGATE)
+    r = grade_notebook(spec, write(tmp_path, 'delegate.ipynb', nb), prepared=_prepared('01'))
+    assert points(r)['cross_entropy'] == 0, r.exercises
+    assert 'no reference found' in next(e for e in r.exercises if e.name == 'cross_entropy').diagnosis

@@ -11,7 +11,7 @@ __all__ = ['BEGIN_MARK', 'END_MARK', 'DEFAULT_MEM_LIMIT', 'IMPORT_TIMEOUT', 'rea
            'format_report', 'progress_path', 'load_progress', 'record_progress', 'status', 'default_notebook',
            'test_module', 'grade', 'add_cli', 'course_main']
 
-# %% ../nbs/98_course.ipynb #cfb0f628
+# %% ../nbs/98_course.ipynb #ccad8dad
 import ast, csv, datetime, io, json, os, re, secrets, shutil, signal, subprocess, sys, tempfile, textwrap, time
 import traceback, zipfile, zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +23,7 @@ import numpy as np
 from .errors import GradingError
 from .checks import Check, ModuleSpec, MODULES, get_spec, resolve_spec, package_dir
 
-# %% ../nbs/98_course.ipynb #b463d1cf
+# %% ../nbs/98_course.ipynb #a4fedc81
 def read_notebook(path) -> dict:
     "Parse the notebook at `path`; `GradingError` if it is missing or not a notebook."
     path = Path(path)
@@ -60,7 +60,7 @@ def is_export_cell(cell: dict) -> bool:
     d = cell_directives(cell_source(cell))
     return 'export' in d or 'exports' in d
 
-# %% ../nbs/98_course.ipynb #516249f3
+# %% ../nbs/98_course.ipynb #43906948
 BEGIN_MARK, END_MARK = '### BEGIN SOLUTION', '### END SOLUTION'
 _MARKER = re.compile(r'#+\s*(BEGIN|END)\s+SOLUTION', re.I)
 
@@ -154,7 +154,7 @@ def find_exercises(nb: dict, where: str = 'notebook') -> list:
             exercises.append(Exercise(name, ci, b, e, indent, len(exercises) + 1))
     return exercises
 
-# %% ../nbs/98_course.ipynb #cf03f634
+# %% ../nbs/98_course.ipynb #58919008
 def make_notebook(cells: list, default_exp: str = None) -> dict:
     "A minimal nbformat-4 notebook from `(cell_type, source)` pairs (used by demos and tests)."
     cs = [{'cell_type': t, 'id': f'c{i}', 'metadata': {}, 'source': s,
@@ -162,7 +162,7 @@ def make_notebook(cells: list, default_exp: str = None) -> dict:
     return {'cells': cs, 'metadata': {'kernelspec': {'display_name': 'Python 3', 'language': 'python', 'name': 'python3'}},
             'nbformat': 4, 'nbformat_minor': 5}
 
-# %% ../nbs/98_course.ipynb #006cbf85
+# %% ../nbs/98_course.ipynb #de66bff3
 _MIN_SOLUTION_LINE = 24
 
 def _norm(line):
@@ -228,7 +228,7 @@ def _refuse_surviving_solutions(student, solution_lines, where):
                                f"({len(hits)} of its {len(lines)} substantial lines appear outside the block, e.g. {n!r}). "
                                "Move it inside the solution block or rewrite it.")
 
-# %% ../nbs/98_course.ipynb #bb46b24c
+# %% ../nbs/98_course.ipynb #a681c853
 _LEARNER_NB = re.compile(r'^(\d\d)_(\w+)\.ipynb$')
 
 def learner_notebooks(nbs_path) -> list:
@@ -250,7 +250,7 @@ def repo_root(start=None) -> Path:
 
 def _dumps_nb(nb) -> str: return json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + '\n'
 
-# %% ../nbs/98_course.ipynb #85e391a0
+# %% ../nbs/98_course.ipynb #e3683b0b
 def _objectives(nb):
     md = [cell_source(c) for c in nb['cells'] if c.get('cell_type') == 'markdown']
     title, summary = None, None
@@ -297,7 +297,7 @@ def module_readme(nb: dict, key: str, name: str, exercises: list, spec: ModuleSp
 
 def _fmt(x): return f"{x:g}"
 
-# %% ../nbs/98_course.ipynb #822a8ebb
+# %% ../nbs/98_course.ipynb #93fa587c
 def build_release(nbs_path, specs=None, keys=None) -> dict:
     "`{relative path: text}` of every file `tinycomp release` writes for the notebooks in `nbs_path` (or modules `keys`)."
     specs = MODULES if specs is None else specs
@@ -355,7 +355,7 @@ def _atomic_write(path: Path, data):
         if os.path.exists(tmp): os.unlink(tmp)
         raise
 
-# %% ../nbs/98_course.ipynb #fa55f3f1
+# %% ../nbs/98_course.ipynb #a6dcc87e
 def save_npz(path, arrays: dict):
     "Deterministic, pickle-free `.npz` of `arrays` at `path` (written atomically)."
     buf = io.BytesIO()
@@ -441,7 +441,7 @@ def refs(check: bool = False, specs=None, keys=None, quiet: bool = False) -> int
     if not quiet: print(f"refs: wrote {written} reference file(s)")
     return 0
 
-# %% ../nbs/98_course.ipynb #e81f4632
+# %% ../nbs/98_course.ipynb #98b36215
 class _Blocker:
     "Meta-path finder that refuses to import the reference solution of the module under test."
     def __init__(self, blocked, key): self.blocked, self.key = tuple(blocked), key
@@ -471,19 +471,50 @@ def _write_json(path, obj):
     with open(tmp, 'w') as f: json.dump(obj, f)
     os.replace(tmp, path)
 
-def _load_private_reference(modname):
-    "Load the reference module `modname` under a private name (not through the blocked import path)."
-    import importlib.util
-    top = __import__(modname.split('.')[0])
+def _reference_functions(modname, names) -> dict:
+    """Private copies of the reference functions `names` of module `modname`, for `Check.deps`.
+
+    The module is executed from its file under a private name and dropped again; each copy gets a fresh globals
+    dict holding only the names its code uses (other copies for functions of the module), so the learner's
+    code cannot walk from a dependency (`f.__globals__`) to the rest of the reference solution."""
+    import builtins, dis, gc, importlib.util, types
+    top = importlib.import_module(modname.split('.')[0])
     rel = modname.split('.')[1:]
     base = Path(top.__file__).parent.joinpath(*rel)
     file = base / '__init__.py' if base.is_dir() else base.with_suffix('.py')
-    private = f"{modname.rsplit('.', 1)[0]}._grader_reference_{rel[-1] if rel else 'mod'}"
+    private = f"{modname.rsplit('.', 1)[0]}._grader_reference"
     spec = importlib.util.spec_from_file_location(private, file)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[private] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    try: spec.loader.exec_module(mod)
+    finally: sys.modules.pop(private, None)
+    src, out = vars(mod), {}
+    def used(code):
+        ns = {i.argval for i in dis.get_instructions(code) if i.opname in ('LOAD_GLOBAL', 'LOAD_NAME')}
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType): ns |= used(c)
+        return ns
+    def copy(name):
+        if name in out: return out[name]
+        f = src.get(name)
+        if not isinstance(f, types.FunctionType) or f.__closure__:
+            raise GradingError(f"check dependency {name!r} must be a plain module-level function of {modname}")
+        g = {'__builtins__': builtins, '__name__': '_grader_reference'}
+        new = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, None)
+        new.__kwdefaults__, new.__doc__ = f.__kwdefaults__, f.__doc__
+        out[name] = new
+        for n in used(f.__code__):
+            if n not in src: continue
+            v = src[n]
+            if isinstance(v, types.FunctionType) and v.__module__ == private: g[n] = copy(n)
+            elif getattr(v, '__module__', None) == private:
+                raise GradingError(f"check dependency {name!r} uses {n!r} of the reference module; deps must be pure functions")
+            else: g[n] = v
+        return new
+    res = {n: copy(n) for n in names}
+    del mod, src, spec
+    gc.collect()
+    return res
 
 def child_main(job_file: str):
     "Entry point of the grading child process (see above)."
@@ -512,11 +543,8 @@ def child_main(job_file: str):
         mspec.loader.exec_module(mod)
     except BaseException as e:
         _write_json(work / f"importerr_{job['run']}.json", _exc_info(e, learner_file)); sys.stdout.flush(); os._exit(0)
-    ref = None
-    if any(checks[j['check']].deps for j in job['jobs']):
-        sys.meta_path.remove(sys.meta_path[0]) if isinstance(sys.meta_path[0], _Blocker) else None
-        try: ref = _load_private_reference(spec.ref_module)
-        finally: sys.meta_path.insert(0, _Blocker(blocked, spec.key))
+    deps = sorted({d for j in job['jobs'] for d in checks[j['check']].deps})
+    ref = _reference_functions(spec.ref_module, deps) if deps else {}
     (work / f"ready_{job['run']}").touch()
     for j in job['jobs']:
         jid, check = j['id'], checks[j['check']]
@@ -524,7 +552,7 @@ def child_main(job_file: str):
         saved = {}
         try:
             for dep in check.deps:
-                saved[dep] = getattr(mod, dep, None); setattr(mod, dep, getattr(ref, dep))
+                saved[dep] = getattr(mod, dep, None); setattr(mod, dep, ref[dep])
             inputs = load_npz(j['inputs'])
             out = check.run(mod, inputs)
             if not isinstance(out, dict): raise TypeError(f"the check got {type(out).__name__}, not a dict")
@@ -546,7 +574,7 @@ def child_main(job_file: str):
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
 
-# %% ../nbs/98_course.ipynb #3543be10
+# %% ../nbs/98_course.ipynb #28dec0ff
 DEFAULT_MEM_LIMIT = 3 << 30      # bytes of address space; Numba/LLVM need about 1 GiB of it
 IMPORT_TIMEOUT = 60.0            # seconds to import the learner's module
 
@@ -647,7 +675,7 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
         remaining = [j for j in remaining if j.id not in results]
     return results
 
-# %% ../nbs/98_course.ipynb #a51e91e2
+# %% ../nbs/98_course.ipynb #ebfb84e6
 def _fmt_array(a, idx=None):
     if a.size <= 8: return np.array2string(a, precision=5, separator=', ', threshold=8).replace('\n', ' ')
     return f"{a[idx]!r} at index {idx}" if idx is not None else f"array of shape {a.shape}"
@@ -682,7 +710,7 @@ def compare_outputs(expected: dict, got_path, check: Check) -> tuple:
                            f"{float(np.max(err)):.3g} ({int(bad.sum())} of {exp.size} entries outside rtol={check.rtol:g}, atol={check.atol:g})")
     return True, ''
 
-# %% ../nbs/98_course.ipynb #1bfa9225
+# %% ../nbs/98_course.ipynb #14084f55
 @dataclass
 class ExerciseResult:
     number: str
@@ -821,7 +849,7 @@ def grade_notebook(spec: ModuleSpec, notebook, seed: int = None, prepared=None, 
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-# %% ../nbs/98_course.ipynb #588623a8
+# %% ../nbs/98_course.ipynb #7c997d8b
 def format_report(report: Report) -> str:
     "The table `tinycomp test` prints."
     w = max([len(e.name) for e in report.exercises] + [8])
@@ -837,7 +865,7 @@ def format_report(report: Report) -> str:
         for e in fails: lines.append(f"  {e.number} {e.name}: " + textwrap.shorten(e.diagnosis, 600, placeholder=' ...'))
     return '\n'.join(lines)
 
-# %% ../nbs/98_course.ipynb #ebe90b3a
+# %% ../nbs/98_course.ipynb #01cb4f7a
 def progress_path() -> Path:
     "Where the per-user progress file lives."
     home = os.environ.get('TINYCOMP_HOME')
@@ -880,7 +908,7 @@ def status(path=None, specs=None) -> int:
     print(f"(progress file: {path or progress_path()})")
     return 0
 
-# %% ../nbs/98_course.ipynb #654af5bd
+# %% ../nbs/98_course.ipynb #fbafadac
 def default_notebook(spec: ModuleSpec, start=None) -> Path:
     "The learner's copy `modules/NN_name/NN_name.ipynb`, searched from the current directory upwards."
     rel = Path('modules') / spec.notebook / f"{spec.notebook}.ipynb"
@@ -901,7 +929,7 @@ def test_module(key: str, notebook=None, json_path=None, seed=None, record=True,
 
 test_module.__test__ = False  # not a pytest test
 
-# %% ../nbs/98_course.ipynb #2e15503f
+# %% ../nbs/98_course.ipynb #e8c01d35
 def _learners(directory: Path, spec: ModuleSpec) -> list:
     out = []
     for p in sorted(directory.iterdir()):
@@ -955,7 +983,7 @@ def grade(directory, module: str, out, jobs: int = 1, seed: int = None, spec=Non
     if progress: print(f"gradebook: {len(rows)} learner(s), fresh seed {prepared[0]}, written to {out}")
     return 0
 
-# %% ../nbs/98_course.ipynb #81e46234
+# %% ../nbs/98_course.ipynb #13fc50ec
 def _cli_guard(fn):
     def run(args):
         try: return fn(args)
