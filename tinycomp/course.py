@@ -11,7 +11,7 @@ __all__ = ['BEGIN_MARK', 'END_MARK', 'DEFAULT_MEM_LIMIT', 'IMPORT_TIMEOUT', 'rea
            'format_report', 'progress_path', 'load_progress', 'record_progress', 'status', 'default_notebook',
            'test_module', 'grade', 'add_cli', 'course_main']
 
-# %% ../nbs/98_course.ipynb #ccad8dad
+# %% ../nbs/98_course.ipynb #b796bca2
 import ast, csv, datetime, io, json, os, re, secrets, shutil, signal, subprocess, sys, tempfile, textwrap, time
 import traceback, zipfile, zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +23,7 @@ import numpy as np
 from .errors import GradingError
 from .checks import Check, ModuleSpec, MODULES, get_spec, resolve_spec, package_dir
 
-# %% ../nbs/98_course.ipynb #a4fedc81
+# %% ../nbs/98_course.ipynb #79754579
 def read_notebook(path) -> dict:
     "Parse the notebook at `path`; `GradingError` if it is missing or not a notebook."
     path = Path(path)
@@ -60,7 +60,7 @@ def is_export_cell(cell: dict) -> bool:
     d = cell_directives(cell_source(cell))
     return 'export' in d or 'exports' in d
 
-# %% ../nbs/98_course.ipynb #43906948
+# %% ../nbs/98_course.ipynb #1d4dc657
 BEGIN_MARK, END_MARK = '### BEGIN SOLUTION', '### END SOLUTION'
 _MARKER = re.compile(r'#+\s*(BEGIN|END)\s+SOLUTION', re.I)
 
@@ -154,7 +154,7 @@ def find_exercises(nb: dict, where: str = 'notebook') -> list:
             exercises.append(Exercise(name, ci, b, e, indent, len(exercises) + 1))
     return exercises
 
-# %% ../nbs/98_course.ipynb #58919008
+# %% ../nbs/98_course.ipynb #7f1f58c9
 def make_notebook(cells: list, default_exp: str = None) -> dict:
     "A minimal nbformat-4 notebook from `(cell_type, source)` pairs (used by demos and tests)."
     cs = [{'cell_type': t, 'id': f'c{i}', 'metadata': {}, 'source': s,
@@ -162,7 +162,7 @@ def make_notebook(cells: list, default_exp: str = None) -> dict:
     return {'cells': cs, 'metadata': {'kernelspec': {'display_name': 'Python 3', 'language': 'python', 'name': 'python3'}},
             'nbformat': 4, 'nbformat_minor': 5}
 
-# %% ../nbs/98_course.ipynb #de66bff3
+# %% ../nbs/98_course.ipynb #cc0b6795
 _MIN_SOLUTION_LINE = 24
 
 def _norm(line):
@@ -228,7 +228,7 @@ def _refuse_surviving_solutions(student, solution_lines, where):
                                f"({len(hits)} of its {len(lines)} substantial lines appear outside the block, e.g. {n!r}). "
                                "Move it inside the solution block or rewrite it.")
 
-# %% ../nbs/98_course.ipynb #a681c853
+# %% ../nbs/98_course.ipynb #d509b0cb
 _LEARNER_NB = re.compile(r'^(\d\d)_(\w+)\.ipynb$')
 
 def learner_notebooks(nbs_path) -> list:
@@ -250,7 +250,7 @@ def repo_root(start=None) -> Path:
 
 def _dumps_nb(nb) -> str: return json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + '\n'
 
-# %% ../nbs/98_course.ipynb #e3683b0b
+# %% ../nbs/98_course.ipynb #f3c87197
 def _objectives(nb):
     md = [cell_source(c) for c in nb['cells'] if c.get('cell_type') == 'markdown']
     title, summary = None, None
@@ -297,7 +297,7 @@ def module_readme(nb: dict, key: str, name: str, exercises: list, spec: ModuleSp
 
 def _fmt(x): return f"{x:g}"
 
-# %% ../nbs/98_course.ipynb #93fa587c
+# %% ../nbs/98_course.ipynb #56cff0c9
 def build_release(nbs_path, specs=None, keys=None) -> dict:
     "`{relative path: text}` of every file `tinycomp release` writes for the notebooks in `nbs_path` (or modules `keys`)."
     specs = MODULES if specs is None else specs
@@ -355,7 +355,7 @@ def _atomic_write(path: Path, data):
         if os.path.exists(tmp): os.unlink(tmp)
         raise
 
-# %% ../nbs/98_course.ipynb #a6dcc87e
+# %% ../nbs/98_course.ipynb #8c824e17
 def save_npz(path, arrays: dict):
     "Deterministic, pickle-free `.npz` of `arrays` at `path` (written atomically)."
     buf = io.BytesIO()
@@ -441,7 +441,7 @@ def refs(check: bool = False, specs=None, keys=None, quiet: bool = False) -> int
     if not quiet: print(f"refs: wrote {written} reference file(s)")
     return 0
 
-# %% ../nbs/98_course.ipynb #98b36215
+# %% ../nbs/98_course.ipynb #711b94c1
 class _Blocker:
     "Meta-path finder that refuses to import the reference solution of the module under test."
     def __init__(self, blocked, key): self.blocked, self.key = tuple(blocked), key
@@ -574,7 +574,7 @@ def child_main(job_file: str):
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
 
-# %% ../nbs/98_course.ipynb #28dec0ff
+# %% ../nbs/98_course.ipynb #6c762f9b
 DEFAULT_MEM_LIMIT = 3 << 30      # bytes of address space; Numba/LLVM need about 1 GiB of it
 IMPORT_TIMEOUT = 60.0            # seconds to import the learner's module
 
@@ -675,7 +675,7 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
         remaining = [j for j in remaining if j.id not in results]
     return results
 
-# %% ../nbs/98_course.ipynb #ebfb84e6
+# %% ../nbs/98_course.ipynb #d2d064c0
 def _fmt_array(a, idx=None):
     if a.size <= 8: return np.array2string(a, precision=5, separator=', ', threshold=8).replace('\n', ' ')
     return f"{a[idx]!r} at index {idx}" if idx is not None else f"array of shape {a.shape}"
@@ -710,7 +710,7 @@ def compare_outputs(expected: dict, got_path, check: Check) -> tuple:
                            f"{float(np.max(err)):.3g} ({int(bad.sum())} of {exp.size} entries outside rtol={check.rtol:g}, atol={check.atol:g})")
     return True, ''
 
-# %% ../nbs/98_course.ipynb #14084f55
+# %% ../nbs/98_course.ipynb #432b628c
 @dataclass
 class ExerciseResult:
     number: str
@@ -849,7 +849,7 @@ def grade_notebook(spec: ModuleSpec, notebook, seed: int = None, prepared=None, 
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-# %% ../nbs/98_course.ipynb #7c997d8b
+# %% ../nbs/98_course.ipynb #75a4068d
 def format_report(report: Report) -> str:
     "The table `tinycomp test` prints."
     w = max([len(e.name) for e in report.exercises] + [8])
@@ -865,7 +865,7 @@ def format_report(report: Report) -> str:
         for e in fails: lines.append(f"  {e.number} {e.name}: " + textwrap.shorten(e.diagnosis, 600, placeholder=' ...'))
     return '\n'.join(lines)
 
-# %% ../nbs/98_course.ipynb #01cb4f7a
+# %% ../nbs/98_course.ipynb #29a4aebe
 def progress_path() -> Path:
     "Where the per-user progress file lives."
     home = os.environ.get('TINYCOMP_HOME')
@@ -908,7 +908,7 @@ def status(path=None, specs=None) -> int:
     print(f"(progress file: {path or progress_path()})")
     return 0
 
-# %% ../nbs/98_course.ipynb #fbafadac
+# %% ../nbs/98_course.ipynb #bbd25109
 def default_notebook(spec: ModuleSpec, start=None) -> Path:
     "The learner's copy `modules/NN_name/NN_name.ipynb`, searched from the current directory upwards."
     rel = Path('modules') / spec.notebook / f"{spec.notebook}.ipynb"
@@ -929,7 +929,7 @@ def test_module(key: str, notebook=None, json_path=None, seed=None, record=True,
 
 test_module.__test__ = False  # not a pytest test
 
-# %% ../nbs/98_course.ipynb #e8c01d35
+# %% ../nbs/98_course.ipynb #bd6e184c
 def _learners(directory: Path, spec: ModuleSpec) -> list:
     out = []
     for p in sorted(directory.iterdir()):
@@ -977,13 +977,14 @@ def grade(directory, module: str, out, jobs: int = 1, seed: int = None, spec=Non
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction='ignore')
     w.writeheader()
     for row in rows:
-        w.writerow({c: row.get(c, 0 if c not in ('errors', 'notebook', 'learner') else '') for c in cols} | {'possible': possible})
+        vals = {c: row.get(c, 0 if c not in ('errors', 'notebook', 'learner') else '') for c in cols} | {'possible': possible}
+        w.writerow({c: _fmt(v) if isinstance(v, (int, float)) else v for c, v in vals.items()})
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(Path(out), buf.getvalue())
     if progress: print(f"gradebook: {len(rows)} learner(s), fresh seed {prepared[0]}, written to {out}")
     return 0
 
-# %% ../nbs/98_course.ipynb #13fc50ec
+# %% ../nbs/98_course.ipynb #7bda800e
 def _cli_guard(fn):
     def run(args):
         try: return fn(args)
