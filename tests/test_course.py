@@ -40,10 +40,10 @@ def run_ranks(ns, i): return {{'out': arr(ns.ranks(i['x']))}}
 def mk_x(rng): return {{'x': rng.standard_normal((int(rng.integers(2, 5)), int(rng.integers(2, 5)))).astype(np.float32)}}
 def mk_v(rng): return {{'x': rng.permutation(int(rng.integers(4, 9))).astype(np.float64)}}
 SPEC = ModuleSpec('09', 'demo', '{ref}', refs_dir={refs!r}, checks=[
-    Check('double', 'small', 1, mk_x, run_double, timeout=3),
-    Check('double', 'again', 1, mk_x, run_double, timeout=3),
-    Check('Acc.add', 'twice', 2, mk_x, run_add, timeout=3),
-    Check('ranks', 'perm', 1, mk_v, run_ranks, timeout=3),
+    Check('double', 'small', 1, mk_x, run_double, timeout=5),
+    Check('double', 'again', 1, mk_x, run_double, timeout=5),
+    Check('Acc.add', 'twice', 2, mk_x, run_add, timeout=5),
+    Check('ranks', 'perm', 1, mk_v, run_ranks, timeout=5),
 ])
 '''
 
@@ -246,7 +246,7 @@ def test_timeout_in_one_exercise_others_still_graded(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    while True: pass')
     r = grade_cells(demo, prepared, tmp_path, cells)
     assert pts(r) == {'double': 0, 'Acc.add': 2, 'ranks': 1}
-    assert r.exercises[0].status == 'timeout' and 'timed out after 3 s' in r.exercises[0].diagnosis
+    assert r.exercises[0].status == 'timeout' and 'timed out after 5 s' in r.exercises[0].diagnosis
 
 def test_crash_in_one_exercise_costs_only_that_exercise(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 6, '#| export\nimport os\nclass Acc:\n    def __init__(self, s): os._exit(3)')
@@ -289,7 +289,7 @@ def test_gradebook_survives_good_broken_and_hostile_notebooks(demo, tmp_path):
     write_nb(d / 'gina.ipynb', SOLUTION_CELLS + [('code', '#| export\nimport numpy as np\nhog = np.ones(1 << 40, np.uint8)')])
     write_nb(d / 'hank.ipynb', [('markdown', 'no code at all')])
     out = tmp_path / 'gradebook.csv'
-    assert grade(d, '09', out, spec=demo['spec'], jobs=2, seed=3, progress=False, import_timeout=3, **demo['kw']) == 0
+    assert grade(d, '09', out, spec=demo['spec'], jobs=2, seed=3, progress=False, import_timeout=10, **demo['kw']) == 0
     rows = {r['learner']: r for r in csv.DictReader(out.open())}
     assert set(rows) == {'alice', 'bob', 'carol', 'dave', 'erin', 'frank', 'gina', 'hank'}
     assert float(rows['alice']['total']) == 5 and rows['alice']['errors'] == '' and float(rows['alice']['possible']) == 5

@@ -466,10 +466,7 @@ def _exc_info(e, learner_file) -> dict:
     except Exception: pass
     return info
 
-def _write_json(path, obj):
-    tmp = f"{path}.tmp"
-    with open(tmp, 'w') as f: json.dump(obj, f)
-    os.replace(tmp, path)
+def _write_json(path, obj): _atomic_write(Path(path), json.dumps(obj))
 
 def _reference_functions(modname, names) -> dict:
     """Private copies of the reference functions `names` of module `modname`, for `Check.deps`.
