@@ -10,7 +10,6 @@ __all__ = ['conv_output_size', 'conv2d_flops', 'conv2d_naive', 'im2col', 'conv2d
 
 # %% ../nbs/02_conv.ipynb #28d61252
 import math
-import time
 
 import numpy as np
 from numba import njit, prange
@@ -99,15 +98,6 @@ def conv2d_im2col(x, weight, bias=None, stride=1, padding=0):
     out = out.reshape(cout, n, oh, ow).transpose(1, 0, 2, 3)
     if bias is not None: out = out + np.asarray(bias, np.float32)[:, None, None]
     return np.ascontiguousarray(out)
-
-# %% ../nbs/02_conv.ipynb #f0ad08f0
-def _best_time(fn, repeats=5, warmup=1):
-    "Best wall time in seconds of `fn()` over `repeats` runs after `warmup` runs (a quick notebook timer)."
-    for _ in range(warmup): fn()
-    best = float('inf')
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns(); fn(); best = min(best, (time.perf_counter_ns() - t0) * 1e-9)
-    return best
 
 # %% ../nbs/02_conv.ipynb #48434ec2
 @njit(parallel=True, cache=True, fastmath=True)
