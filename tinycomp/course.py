@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import GradingError
+from .files import atomic_write, write_npz
 from .checks import Check, ModuleSpec, MODULES, get_spec, resolve_spec, package_dir
 
 # %% ../nbs/98_course.ipynb #79754579
@@ -345,30 +346,15 @@ def release(root=None, check: bool = False, specs=None, quiet: bool = False, key
     return 0
 
 def _atomic_write(path: Path, data):
-    "Write `data` (str or bytes) to `path` via a temporary file and `os.replace`."
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
-    try:
-        with os.fdopen(fd, 'wb') as f: f.write(data.encode('utf-8') if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.unlink(tmp)
-        raise
+    "Write `data` (str or bytes) to `path` atomically."
+    with atomic_write(path) as f: f.write(data.encode('utf-8') if isinstance(data, str) else data)
 
 # %% ../nbs/98_course.ipynb #8c824e17
 def save_npz(path, arrays: dict):
-    "Deterministic, pickle-free `.npz` of `arrays` at `path` (written atomically)."
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, 'w', compression=zipfile.ZIP_DEFLATED) as zf:
-        for k in sorted(arrays):
-            a = np.asarray(arrays[k])
-            if a.dtype.kind == 'O': raise GradingError(f"refusing to store object array {k!r}")
-            b = io.BytesIO(); np.lib.format.write_array(b, np.array(a, order="C", copy=True), allow_pickle=False)
-            zi = zipfile.ZipInfo(f'{k}.npy', date_time=(1980, 1, 1, 0, 0, 0))
-            zi.compress_type, zi.external_attr = zipfile.ZIP_DEFLATED, 0o644 << 16
-            zf.writestr(zi, b.getvalue())
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, buf.getvalue())
+    "Deterministic, pickle-free, compressed `.npz` of `arrays` at `path` (written atomically)."
+    for k, a in arrays.items():
+        if np.asarray(a).dtype.kind == 'O': raise GradingError(f"refusing to store object array {k!r}")
+    with atomic_write(path) as f: write_npz(f, {k: arrays[k] for k in sorted(arrays)}, compress=True)
 
 def load_npz(path) -> dict:
     "All arrays of the `.npz` at `path`, loaded with `allow_pickle=False`."

@@ -4,12 +4,13 @@
 
 # %% ../nbs/93_io.ipynb #3c4b0eb4
 from __future__ import annotations
-import json, os, re, tempfile, zipfile
+import json, re
 from pathlib import Path
 
 import numpy as np
 
 from .errors import TinycompError, ModelFileError
+from .files import atomic_write, write_npz
 from . import tensor as _tensor
 from .tensor import Module, Sequential, Linear, ReLU, Sigmoid, Tanh, Flatten, Dropout
 
@@ -79,14 +80,6 @@ def _all_array_names(model):
     for mod_name, m in model.named_modules():
         for n in list(m._parameters) + list(m._buffers): yield f"{mod_name}.{n}" if mod_name else n
 
-def _write_npz(f, arrays):
-    "Write `arrays` as an uncompressed .npz to the open file `f`, with fixed time stamps (same model, same bytes)."
-    with zipfile.ZipFile(f, 'w', compression=zipfile.ZIP_STORED) as zf:
-        for name, a in arrays.items():
-            info = zipfile.ZipInfo(name + '.npy', date_time=(1980, 1, 1, 0, 0, 0))
-            with zf.open(info, 'w', force_zip64=True) as member:
-                np.lib.format.write_array(member, a, allow_pickle=False)
-
 def save(model, path, metadata: dict | None = None) -> Path:
     "Write `model` to `path` (a `.npz` model file) atomically; `metadata` is extra JSON kept in the manifest."
     path = Path(path)
@@ -104,15 +97,7 @@ def save(model, path, metadata: dict | None = None) -> Path:
     try: text = json.dumps(manifest, allow_nan=False)
     except (TypeError, ValueError) as e: raise ModelFileError(f"metadata is not JSON-safe: {e}") from e
     arrays[MANIFEST_KEY] = np.frombuffer(text.encode('utf-8'), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
-    try:
-        with os.fdopen(fd, 'wb') as f:
-            _write_npz(f, arrays)
-            f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp): os.remove(tmp)
+    with atomic_write(path) as f: write_npz(f, arrays)  # uncompressed, fixed time stamps: same model, same bytes
     return path
 
 # %% ../nbs/93_io.ipynb #fc749e0a
