@@ -12,7 +12,7 @@ import pytest
 
 from tinycomp import data
 from tinycomp.data import (DATASETS, DIGITS_MEAN, DIGITS_STD, DataLoader, load_cifar10, load_digits,
-                           load_fashion_mnist, load_mnist, read_idx)
+                           load_fashion_mnist, load_mnist, read_idx, two_spirals)
 from tinycomp.errors import DataError, ShapeError, TinycompError
 
 
@@ -175,6 +175,19 @@ def test_digits_bad_split():
 
 
 # ---------------------------------------------------------------- DataLoader
+def test_two_spirals_shapes_dtypes_seed_and_geometry():
+    X, y = two_spirals(n_per_class=30, seed=4)
+    assert X.shape == (60, 2) and X.dtype == np.float32 and y.dtype == np.int64
+    np.testing.assert_array_equal(np.bincount(y), [30, 30])
+    np.testing.assert_array_equal(y[:30], 0)
+    np.testing.assert_array_equal(two_spirals(n_per_class=30, seed=4)[0], X)
+    assert not np.array_equal(two_spirals(n_per_class=30, seed=5)[0], X)
+    clean, _ = two_spirals(n_per_class=30, noise=0, seed=4)
+    np.testing.assert_allclose(clean[30:], -clean[:30])          # the second arm is the first turned by 180 degrees
+    assert np.linalg.norm(clean, axis=1).max() <= 1 + 1e-6
+    assert two_spirals()[0].shape == (400, 2)                       # the default used by module 01's example
+
+
 def test_dataloader_batches_in_order():
     X, y = np.arange(20, dtype=np.float32).reshape(10, 2), np.arange(10)
     dl = DataLoader(X, y, batch_size=4)
