@@ -5,10 +5,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinycomp.checks import Check, ModuleSpec, arr
-from tinycomp.course import (add_cli, build_release, course_main, exported_code, find_exercises, format_report,
-                             grade, grade_notebook, load_npz, load_progress, make_notebook, prepare_checks,
-                             record_progress, refs, release, save_npz, status, student_notebook)
+from tinycomp.cli import main
+from tinycomp.course.cli import add_cli
+from tinycomp.course.gradebook import grade
+from tinycomp.course.grading import format_report, grade_notebook
+from tinycomp.course.notebooks import exported_code, find_exercises, make_notebook
+from tinycomp.course.progress import load_progress, record_progress, status
+from tinycomp.course.refs import load_npz, prepare_checks, refs, save_npz
+from tinycomp.course.release import build_release, release, student_notebook
+from tinycomp.course.spec import Check, ModuleSpec, arr
 from tinycomp.errors import GradingError
 
 SOLUTION_CELLS = [
@@ -30,7 +35,7 @@ SOLUTION_CELLS = [
 
 CHECKS_SRC = '''
 import numpy as np
-from tinycomp.checks import Check, ModuleSpec, arr
+from tinycomp.course.spec import Check, ModuleSpec, arr
 def run_double(ns, i): return {{'out': arr(ns.double(i['x']))}}
 def run_add(ns, i):
     acc = ns.Acc(np.zeros(i['x'].shape[1], np.float32))
@@ -39,7 +44,7 @@ def run_add(ns, i):
 def run_ranks(ns, i): return {{'out': arr(ns.ranks(i['x']))}}
 def mk_x(rng): return {{'x': rng.standard_normal((int(rng.integers(2, 5)), int(rng.integers(2, 5)))).astype(np.float32)}}
 def mk_v(rng): return {{'x': rng.permutation(int(rng.integers(4, 9))).astype(np.float64)}}
-SPEC = ModuleSpec('09', 'demo', '{ref}', refs_dir={refs!r}, checks=[
+SPEC = ModuleSpec('09', 'demo', reference=('{ref}',), refs_dir={refs!r}, checks=[
     Check('double', 'small', 1, mk_x, run_double, timeout=5),
     Check('double', 'again', 1, mk_x, run_double, timeout=5),
     Check('Acc.add', 'twice', 2, mk_x, run_add, timeout=5),
@@ -57,7 +62,7 @@ def demo(tmp_path_factory):
     nb = make_notebook(SOLUTION_CELLS)
     (root / 'nbs' / '09_demo.ipynb').write_text(json.dumps(nb))
     lib = root / 'lib'; lib.mkdir()
-    code, _ = exported_code(nb)
+    code, _ = exported_code([('09_demo', nb)])
     (lib / 'tc_demo_ref.py').write_text(code)
     (lib / 'tc_demo_checks.py').write_text(CHECKS_SRC.format(ref='tc_demo_ref',
                                                              refs=str(root / 'refs' / '09')))
@@ -138,7 +143,7 @@ def test_release_writes_notebook_and_readme(demo):
     assert 'raise NotImplementedError(\\"Exercise 09.3 ranks' in json.dumps(stu)
     readme = (d / 'README.md').read_text()
     assert '# Module 09: Demo: a tiny module' in readme and '- scale arrays' in readme
-    assert '| 09.2 | `Acc.add` | 2 |' in readme and '**5**' in readme and 'tinycomp test 09' in readme
+    assert '| 09.2 | `Acc.add` | 09_demo | 2 |' in readme and '**5**' in readme and 'tinycomp test 09' in readme
 
 def test_release_check_detects_changes_and_stale_files(demo, capsys):
     root, specs = demo['root'], demo['specs']
@@ -149,11 +154,14 @@ def test_release_check_detects_changes_and_stale_files(demo, capsys):
     assert release(root, check=True, specs=specs) == 1
     p.write_text(text)
     stale = root / 'modules' / '08_old' / '08_old.ipynb'
-    stale.parent.mkdir(); stale.write_text('{}')
+    stale.parent.mkdir(); stale.write_text(json.dumps({'cells': [], 'metadata': {'tinycomp': {'generated_from': 'nbs/08_old.ipynb'}}}))
+    mine = root / 'modules' / '09_demo' / 'my_notes.ipynb'        # a learner's own files are never touched
+    mine.write_text('{"cells": []}'); (root / 'modules' / '08_old' / 'notes.md').write_text('mine')
     assert release(root, check=True, specs=specs) == 1
     assert 'stale' in capsys.readouterr().out
     assert release(root, specs=specs, quiet=True) == 0 and not stale.exists()
-    stale.parent.rmdir()
+    assert mine.exists() and (root / 'modules' / '08_old' / 'notes.md').exists()
+    mine.unlink(); (root / 'modules' / '08_old' / 'notes.md').unlink(); stale.parent.rmdir()
     assert release(root, check=True, specs=specs) == 0
 
 def test_release_refuses_and_writes_nothing(demo, tmp_path):
@@ -217,7 +225,7 @@ def test_solution_full_marks_and_student_zero(demo, prepared, tmp_path):
     assert pts(r) == {'double': 2, 'Acc.add': 2, 'ranks': 1} and r.passed and r.points == r.possible == 5
     stu = grade_notebook(demo['spec'], demo['root'] / 'modules' / '09_demo' / '09_demo.ipynb', prepared=prepared, **demo['kw'])
     assert stu.points == 0 and {e.status for e in stu.exercises} == {'todo'} and not stu.passed
-    assert 'not implemented yet (your cell 4, line 4)' in stu.exercises[0].diagnosis
+    assert 'not done yet (in 09_demo.ipynb, the cell defining `double`, line 4)' in stu.exercises[0].diagnosis
     text = format_report(stu)
     assert '09.1' in text and '0/2' in text and 'todo' in text and '0/5' in text
 
@@ -240,7 +248,8 @@ def test_exception_names_the_learners_line(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 7, '#| export\ndef ranks(x):\n    y = x + 1\n    return y[99]')
     r = grade_cells(demo, prepared, tmp_path, cells)
     e = r.exercises[2]
-    assert e.status == 'error' and 'IndexError' in e.diagnosis and 'your cell 7, line 4: `return y[99]`' in e.diagnosis
+    assert e.status == 'error' and 'IndexError' in e.diagnosis
+    assert '(in nb.ipynb, the cell defining `ranks`, line 4: `return y[99]`)' in e.diagnosis
 
 def test_timeout_in_one_exercise_others_still_graded(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    while True: pass')
@@ -258,7 +267,7 @@ def test_crash_in_one_exercise_costs_only_that_exercise(demo, prepared, tmp_path
 def test_cheats_gain_nothing(demo, prepared, tmp_path):
     patch = ('#| export\nimport builtins, numpy, numpy.testing\nnumpy.allclose = lambda *a, **k: True\n'
              'numpy.testing.assert_allclose = lambda *a, **k: None\nbuiltins.isinstance = lambda *a: True\n'
-             'import tinycomp.course as c\nc.compare_outputs = lambda *a, **k: (True, "")\n'
+             'import tinycomp.course.grading as c\nc.compare_outputs = lambda *a, **k: (True, "")\n'
              'numpy.array_equal = lambda *a, **k: True\n')
     stu = json.loads((demo['root'] / 'modules' / '09_demo' / '09_demo.ipynb').read_text())
     cells = [(c['cell_type'], ''.join(c['source'])) for c in stu['cells']] + [('code', patch)]
@@ -271,9 +280,13 @@ def test_cheats_gain_nothing(demo, prepared, tmp_path):
     assert pts(r)['double'] == 0 and 'fresh' in r.exercises[0].diagnosis and pts(r)['ranks'] == 1
 
 def test_reference_module_cannot_be_imported(demo, prepared, tmp_path):
-    cells = replace_cell(SOLUTION_CELLS, 4, '#| export\nfrom tc_demo_ref import double')
+    cells = replace_cell(SOLUTION_CELLS, 4, '#| export\nimport importlib\ndouble = importlib.import_module("tc_demo_ref").double')
     r = grade_cells(demo, prepared, tmp_path, cells)
     assert r.points == 0 and 'not allowed while grading module 09' in r.error
+    # an import of the module's own file by name means the learner's own code (a later part importing an earlier one)
+    cells = replace_cell(SOLUTION_CELLS, 4, '#| export\nfrom tc_demo_ref import double')
+    r = grade_cells(demo, prepared, tmp_path, cells)
+    assert pts(r)['double'] == 0 and '`double` is not defined in the notebook code being graded' in r.exercises[0].diagnosis
 
 
 # ---------------------------------------------------------------- gradebook
@@ -295,7 +308,7 @@ def test_gradebook_survives_good_broken_and_hostile_notebooks(demo, tmp_path):
     assert float(rows['alice']['total']) == 5 and rows['alice']['errors'] == '' and float(rows['alice']['possible']) == 5
     assert float(rows['bob']['total']) == 3 and float(rows['bob']['09.1 double']) == 0 and '09.1 fail' in rows['bob']['errors']
     assert 'not a valid notebook' in rows['carol']['errors'] and float(rows['carol']['total']) == 0
-    assert 'no 09_demo.ipynb' in rows['dave']['errors']
+    assert 'no notebook of module 09' in rows['dave']['errors']
     assert 'timed out' in rows['erin']['errors'] and float(rows['erin']['total']) == 0
     assert 'exited' in rows['frank']['errors'] and float(rows['frank']['total']) == 0
     assert 'MemoryError' in rows['gina']['errors'] and float(rows['gina']['total']) == 0
@@ -304,20 +317,27 @@ def test_gradebook_survives_good_broken_and_hostile_notebooks(demo, tmp_path):
 
 # ---------------------------------------------------------------- progress and CLI
 
-def test_progress_is_recorded_atomically_and_shown(demo, prepared, tmp_path, monkeypatch, capsys):
+def test_progress_is_recorded_per_notebook_and_shown(demo, prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
     good = grade_cells(demo, prepared, tmp_path, SOLUTION_CELLS)
     record_progress(good)
     bad = grade_cells(demo, prepared, tmp_path, replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x): return x'))
     record_progress(bad)
-    data = load_progress()
-    assert data['modules']['09']['points'] == 3 and data['modules']['09']['best'] == 5
+    entry = load_progress()['modules']['09'][str(tmp_path.resolve())]
+    assert entry['points'] == 3 and entry['best'] == 5 and entry['exercises']['double'] == [0, 2]
     assert [p.name for p in (tmp_path / 'home').iterdir()] == ['progress.json']
-    status(specs=demo['specs'])
+    # another notebook (say, the instructor's solutions) is kept apart and does not count for the learner's copy
+    (tmp_path / 'elsewhere').mkdir()
+    other = grade_notebook(demo['spec'], write_nb(tmp_path / 'elsewhere' / 'x.ipynb', SOLUTION_CELLS), prepared=prepared, **demo['kw'])
+    record_progress(other)
+    assert len(load_progress()['modules']['09']) == 2
+    status(specs=demo['specs'], root=None)
     out = capsys.readouterr().out
-    assert '09 demo' in out and '3/5' in out
+    assert '09 demo' in out and '5/5' in out           # the most recent graded notebook, with per-exercise detail
+    assert '09.1' in out and 'double' in out
     (tmp_path / 'home' / 'progress.json').write_text('garbage')
     assert load_progress() == {'modules': {}}
+
 
 def test_cli_registers_subcommands(monkeypatch, tmp_path, capsys):
     import argparse
@@ -326,16 +346,84 @@ def test_cli_registers_subcommands(monkeypatch, tmp_path, capsys):
                  ['status'], ['grade', 'dir', '--module', '01', '--out', 'g.csv']):
         assert callable(p.parse_args(argv).func)
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path))
-    assert course_main(['status']) == 0 and '01 tensor' in capsys.readouterr().out
-    assert course_main(['test', '77']) == 2 and 'no graded module' in capsys.readouterr().err
+    assert main(['status']) == 0 and '01 tensor' in capsys.readouterr().out
+    assert main(['test', '77']) == 2 and 'tinycomp: error: no graded module' in capsys.readouterr().err
 
-def test_cli_test_writes_json_and_exit_code(monkeypatch, tmp_path):
+
+# ---------------------------------------------------------------- diagnoses a learner can act on
+
+def test_syntax_error_names_the_learners_cell_not_a_temporary_file(demo, prepared, tmp_path):
+    cells = replace_cell(SOLUTION_CELLS, 7, '#| export\ndef ranks(x):\n    return np.argsort(x kind="stable")')
+    r = grade_cells(demo, prepared, tmp_path, cells)
+    assert r.points == 0 and 'SyntaxError' in r.error
+    assert 'the cell starting `def ranks(x):`, line 3' in r.error and 'learner_' not in r.error
+    text = format_report(r)
+    assert text.count('error') <= 2 and 'nothing can be graded until this is fixed' in text   # one line, not a row per exercise
+
+def test_missing_return_is_named(demo, prepared, tmp_path):
+    cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    y = 2.0 * x')
+    e = grade_cells(demo, prepared, tmp_path, cells).exercises[0]
+    assert e.points == 0 and '`double` returned None: is a `return` missing?' in e.diagnosis
+
+def test_every_failing_check_is_shown_with_its_inputs(demo, prepared, tmp_path):
+    cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    return 3.0 * x')
+    r = grade_cells(demo, prepared, tmp_path, cells)
+    e = r.exercises[0]
+    assert e.diagnosis.count('\n') == 1 and 'small [' in e.diagnosis and 'again [' in e.diagnosis
+    text = format_report(r)
+    assert '    - small [fixed inputs: x(' in text and '    - again [' in text
+    rep = r.to_json()['exercises'][0]
+    assert {(c['check'], c['case']) for c in rep['cases']} == {('small', 'fixed'), ('small', 'fresh'), ('again', 'fixed'), ('again', 'fresh')}
+    assert all(len(c['inputs']['x']['shape']) == 2 and c['inputs']['x']['dtype'] == 'float32' for c in rep['cases'])
+
+def test_numba_typing_error_shows_its_cause_and_the_learners_line(demo, prepared, tmp_path):
+    src = ('#| export\nfrom numba import njit\n@njit\ndef _twice(x):\n    out = np.empty_like(x)\n'
+           '    for i in range(x.shape[0]):\n        out[i] = x[i] * "2"\n    return out\n'
+           'def double(x):\n    return _twice(x)')
+    e = grade_cells(demo, prepared, tmp_path, replace_cell(SOLUTION_CELLS, 4, src)).exercises[0]
+    assert e.status == 'error' and 'Numba could not compile' in e.diagnosis and 'NUMBA_DISABLE_JIT=1' in e.diagnosis
+    assert 'Failed in nopython mode pipeline' not in e.diagnosis
+    assert 'line 7: `out[i] = x[i] * "2"`' in e.diagnosis
+
+@pytest.mark.parametrize('make,msg', [
+    (lambda p: p, 'no such notebook'),
+    (lambda p: (p.mkdir(), p)[1], 'is a folder, not a notebook'),
+    (lambda p: (p.write_text('{"cells": ['), p)[1], 'not a valid notebook'),
+])
+def test_unreadable_notebook_is_one_line_and_records_nothing(monkeypatch, tmp_path, capsys, make, msg):
+    monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
+    path = make(tmp_path / '01a_tensor.ipynb')
+    if path.is_dir(): (path / 'a.ipynb').write_text('{}'); (path / 'b.ipynb').write_text('{}')
+    assert main(['test', '01', '--notebook', str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == '' and len(err.strip().splitlines()) == 1 and err.startswith('tinycomp: error: ')
+    assert (msg in err) or (path.is_dir() and 'holds no notebook of module 01' in err)
+    assert not (tmp_path / 'home' / 'progress.json').exists()
+
+
+def test_full_marks_say_what_comes_next(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
     root = Path(__file__).resolve().parent.parent
-    rc = course_main(['test', '01', '--notebook', str(root / 'modules' / '01_tensor' / '01_tensor.ipynb'),
-                      '--json', str(tmp_path / 'r.json')])
+    monkeypatch.chdir(root)
+    parts = [str(p) for p in sorted((root / 'nbs').glob('01?_*.ipynb'))]
+    assert main(['test', '01', '--notebook', *parts, '--json', str(tmp_path / 'r.json')]) == 0
+    out = capsys.readouterr().out
+    assert 'Module 01 complete: every exercise passes. Next: module 02 (conv): jupyter lab modules/02_conv/' in out
     rep = json.loads((tmp_path / 'r.json').read_text())
-    assert rc == 1 and rep['points'] == 0 and rep['possible'] > 0 and len(rep['exercises']) > 5
-    assert load_progress()['modules']['01']['points'] == 0
-    rc = course_main(['test', '01', '--notebook', str(root / 'nbs' / '01_tensor.ipynb')])
-    assert rc == 0 and load_progress()['modules']['01']['points'] == rep['possible']
+    assert rep['passed'] and rep['points'] == rep['possible'] and len(rep['notebooks']) == 4
+    entry = load_progress()['modules']['01'][str((root / 'nbs').resolve())]
+    assert entry['points'] == rep['possible']
+
+
+def test_the_learners_folder_is_graded_by_default(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root / 'modules')
+    assert main(['test', '01', '--json', str(tmp_path / 'r.json')]) == 1
+    rep = json.loads((tmp_path / 'r.json').read_text())
+    assert rep['points'] == 0 and all(e['status'] == 'todo' for e in rep['exercises'])
+    assert [Path(n).name for n in rep['notebooks']] == ['01a_tensor.ipynb', '01b_functional.ipynb', '01c_nn.ipynb', '01d_optim.ipynb']
+    assert load_progress()['modules']['01'][str((root / 'modules' / '01_tensor').resolve())]['points'] == 0
+    status(root=root)
+    out = capsys.readouterr().out
+    assert '01 tensor' in out and '01.1' in out and 'unbroadcast' in out
