@@ -10,7 +10,9 @@ from tinycomp import io as tio
 from tinycomp import tensor as T
 from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
 from tinycomp.errors import ModelFileError, TinycompError
-from tinycomp.tensor import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh, no_grad
+from tinycomp import files as tfiles
+from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.tensor import no_grad
 
 
 def cnn():
@@ -111,11 +113,17 @@ def test_load_does_not_disturb_the_seeded_generator(good):
 def test_allow_list_contents():
     for cls in (Sequential, Linear, ReLU, Sigmoid, Tanh, Flatten, Dropout,
                 Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d):
-        assert tio.LAYERS[cls.__name__] is cls
+        assert tfiles.LAYERS[cls.__name__] is cls
 
 
-def test_register_layer_for_later_modules(tmp_path, monkeypatch):
-    monkeypatch.setattr(tio, 'LAYERS', dict(tio.LAYERS))
+@pytest.fixture
+def restore_layers():
+    saved = dict(tfiles.LAYERS)
+    yield
+    tfiles.LAYERS.clear(); tfiles.LAYERS.update(saved)
+
+
+def test_register_layer_for_later_modules(tmp_path, restore_layers):
 
     class Scale(Module):
         def __init__(self, n, bits=8):
@@ -132,7 +140,7 @@ def test_register_layer_for_later_modules(tmp_path, monkeypatch):
     with pytest.raises(ModelFileError, match="allow-list.*register_layer"):
         tio.save(m, tmp_path / 'q.npz')
     assert not (tmp_path / 'q.npz').exists() and list(tmp_path.iterdir()) == []
-    assert tio.register_layer(Scale) is Scale
+    assert tfiles.register_layer(Scale) is Scale
     m[0]._buffers['q'] = np.array([-128, 0, 127], np.int8)
     m[0]._buffers['mask'] = np.array([True, False, True])
     assert_same_model(m, tio.load(tio.save(m, tmp_path / 'q.npz')))
@@ -145,7 +153,7 @@ def test_register_layer_for_later_modules(tmp_path, monkeypatch):
         def config(self): return dict(n=self.n)
         def forward(self, x): return self.act(self.lin(x))
 
-    tio.register_layer(Block)
+    tfiles.register_layer(Block)
     T.manual_seed(3)
     blocks = Sequential(Block(3), Block(3))
     path = tio.save(blocks, tmp_path / 'b.npz')
@@ -160,9 +168,9 @@ def test_register_layer_for_later_modules(tmp_path, monkeypatch):
         pass
     Other.__name__ = 'Scale'
     with pytest.raises(TinycompError, match="already registered"):
-        tio.register_layer(Other)
-    with pytest.raises(TinycompError, match="Module subclass"):
-        tio.register_layer(int)
+        tfiles.register_layer(Other)
+    with pytest.raises(TinycompError, match="layer class with a config"):
+        tfiles.register_layer(int)
 
 
 def test_save_refuses_what_load_would_refuse(tmp_path):
@@ -279,7 +287,10 @@ def test_truncated_and_corrupt_files(tmp_path, good):
 
 def test_unknown_version_and_format(tmp_path, good):
     _, _, man, arrays = good
-    bad(tmp_path, dict(man, version=2), arrays, "format version 2 is not supported")
+    bad(tmp_path, dict(man, version=3), arrays, "format version 3 is not supported")
+    bad(tmp_path, dict(man, modules=['os']), arrays, "'modules' must be a list of tinycomp module names")
+    bad(tmp_path, dict(man, modules='tinycomp.conv'), arrays, "'modules' must be a list")
+    bad(tmp_path, dict(man, modules=['tinycomp.no_such_module']), arrays, "which this tinycomp does not have")
     bad(tmp_path, dict(man, version='1'), arrays, "format version '1'")
     bad(tmp_path, dict(man, version=True), arrays, "format version True")
     bad(tmp_path, dict(man, format='pytorch'), arrays, "not a 'tinycomp-model' manifest")
@@ -317,3 +328,23 @@ def test_deep_manifest_is_rejected(tmp_path, good):
     for _ in range(200):
         node = {'type': 'Sequential', 'config': {}, 'children': {'0': node}}
     bad(tmp_path, dict(man, model=node), arrays, "deeper than")
+
+
+def test_version_1_files_still_load(tmp_path, good):
+    m, _, man, arrays = good
+    old = {k: v for k, v in man.items() if k != 'modules'} | {'version': 1}
+    assert_same_model(m, tio.load(craft(tmp_path / 'v1.npz', old, arrays)))
+    bad(tmp_path, dict(old, modules=['tinycomp.conv']), arrays, r"unknown manifest fields \['modules'\]")
+
+
+def test_file_names_the_modules_of_its_layers(good):
+    _, _, man, _ = good
+    assert man['version'] == 2 and man['modules'] == ['tinycomp.conv', 'tinycomp.nn.modules']
+
+
+def test_a_redefined_layer_class_is_named_in_the_error(tmp_path):
+    class Linear(Module):                      # e.g. a notebook's own Linear, never registered
+        def config(self): return {}
+    with pytest.raises(ModelFileError, match=r"not the registered tinycomp.nn.modules.Linear \(a class redefined in a notebook\?\)"):
+        tio.save(Sequential(Linear()), tmp_path / 'x.npz')
+    assert not (tmp_path / 'x.npz').exists()
