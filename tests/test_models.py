@@ -1,14 +1,15 @@
-"Reference models, training loop and the shipped pretrained weights."
-import json
+"Reference models, training loop, the shipped pretrained weights, the training curve and `tinycomp train`."
 
 import numpy as np
 import pytest
 
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.errors import TinycompError
-from tinycomp.models import (MODELS, count_parameters, digits_cnn, digits_cnn_wide, evaluate, fit, load_pretrained,
-                             pretrained_info, pretrained_path, train_reference)
-from tinycomp.tensor import Adam, manual_seed
+from tinycomp.models import (MODELS, RECIPES, add_cli, count_parameters, digits_cnn, digits_cnn_wide, digits_split_sizes,
+                             evaluate, fit, load_pretrained, plot_history, pretrained_info, pretrained_path,
+                             train_command, train_reference)
+from tinycomp.optim import Adam
+from tinycomp.tensor import manual_seed
 
 
 def test_parameter_counts():
@@ -61,3 +62,59 @@ def test_unknown_model_names_are_explained():
         pretrained_path('resnet50')
     with pytest.raises(TinycompError, match='unknown model'):
         train_reference('resnet50')
+
+
+# --- validation curve: evaluated like the test split, on a small and harder split ---------------------------
+
+def test_validation_history_is_an_eval_mode_evaluation():
+    "A model with Dropout and BatchNorm: the recorded validation accuracy is `evaluate` (eval mode) of the final model."
+    manual_seed(0)
+    model = digits_cnn_wide()
+    val = load_digits('val')
+    history = fit(model, DataLoader(*load_digits('train'), batch_size=64, shuffle=True, seed=0),
+                  DataLoader(*val, batch_size=256), epochs=1, optimizer=Adam(model.parameters(), lr=3e-3), progress=False)
+    assert model.training
+    again = evaluate(model, val)
+    assert history['val_acc'][-1] == again.accuracy and history['val_loss'][-1] == pytest.approx(again.loss, rel=1e-6)
+
+
+def test_shipped_validation_curve_ends_at_173_of_179():
+    "The 0.9665 at the end of the shipped curve is 6 of 179 validation images; the same model gets 356/359 on test."
+    assert digits_split_sizes() == {'train': 1259, 'val': 179, 'test': 359}
+    model, info = load_pretrained('digits_cnn'), pretrained_info('digits_cnn')
+    val, test = evaluate(model, load_digits('val')), evaluate(model, load_digits('test'))
+    assert info['history']['val_acc'][-1] == pytest.approx(val.accuracy) == pytest.approx(173 / 179)
+    assert test.accuracy == pytest.approx(356 / 359)
+
+
+def test_plot_says_split_sizes_and_test_accuracy(tmp_path):
+    history = pretrained_info('digits_cnn')['history']
+    fig = plot_history(history, 'digits_cnn', tmp_path / 'curve.png', splits=digits_split_sizes(), test_accuracy=356 / 359)
+    texts = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    texts += [t.get_text() for ax in fig.axes for t in ax.texts]
+    joined = ' | '.join(texts)
+    assert 'validation (179 images, 1 image = 0.56 %)' in joined and 'train (1259 images' in joined
+    assert 'test, final model: 99.16%, 356/359' in joined and '173/179' in joined
+    assert (tmp_path / 'curve.png').stat().st_size > 1000
+    plot_history({**history, 'val_acc': [float('nan')] * len(history['epoch'])}, splits=digits_split_sizes())  # no val loader
+
+
+# --- tinycomp train ---------------------------------------------------------------------------------------
+
+def test_train_command_choices_come_from_the_registry():
+    import argparse
+    parser = argparse.ArgumentParser(prog='tinycomp')
+    add_cli(parser.add_subparsers(dest='command'))
+    args = parser.parse_args(['train', 'digits_cnn_wide', '--epochs', '2', '--seed', '3', '--out', 'x', '--no-progress'])
+    assert (args.name, args.epochs, args.seed, args.out, args.no_progress) == ('digits_cnn_wide', 2, 3, 'x', True)
+    assert set(MODELS) == set(RECIPES)
+    with pytest.raises(SystemExit):
+        parser.parse_args(['train', 'resnet50'])
+
+
+def test_train_command_saves_and_refuses_a_file_as_out(tmp_path, capsys):
+    path = train_command('digits_cnn', tmp_path, epochs=1, progress=False)
+    assert path == tmp_path / 'digits_cnn.npz' and path.with_suffix('.json').exists()
+    assert 'test accuracy' in capsys.readouterr().out
+    with pytest.raises(TinycompError, match='not a directory'):
+        train_command('digits_cnn', path, epochs=1, progress=False)
