@@ -10,7 +10,7 @@ import numpy as np
 
 from ..course.spec import Check, ModuleSpec, arr, f32
 
-# %% ../../nbs/checks/02_conv.ipynb #e5d74be7
+# %% ../../nbs/checks/02_conv.ipynb #900e6daa
 def _conv_geometry(kind, rng):
     "(x shape, weight shape, stride, padding, dilation, groups) for a named kind of convolution."
     r = lambda a, b: int(rng.integers(a, b))
@@ -22,7 +22,9 @@ def _conv_geometry(kind, rng):
     while kw == kh: kw = r(1, 4)
     if kind == 'basic': return (n, c, h, w), (cout, c, kh, kw), (1, 1), (0, 0), (1, 1), 1
     if kind == 'strided': return (n, c, h, w), (cout, c, kh, kw), (2, r(1, 3)), (1, r(0, 3)), (1, 1), 1
-    if kind == 'dilated': return (n, c, h + 2, w + 2), (cout, c, kh, kw), (r(1, 3), 1), (r(0, 2), 1), (2, r(1, 3)), 1
+    if kind == 'dilated':        # both kernel sides >= 2 and both dilations >= 2, so a lost dilation always shows
+        kh, kw = (2, 3) if rng.random() < 0.5 else (3, 2)
+        return (n, c, h + 4, w + 4), (cout, c, kh, kw), (r(1, 3), 1), (r(0, 2), 1), (2, r(2, 4)), 1
     if kind == 'groups':
         g = 2; cg = r(1, 3); cog = r(1, 3)
         return (n, g * cg, h, w), (g * cog, cg, kh, kw), (1, 2), (1, 0), (1, 1), g
