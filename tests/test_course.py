@@ -13,7 +13,6 @@ from tinycomp.course.notebooks import exported_code, find_exercises, make_notebo
 from tinycomp.course.progress import load_progress, record_progress, status
 from tinycomp.course.refs import load_npz, prepare_checks, refs, save_npz
 from tinycomp.course.release import build_release, release, student_notebook
-from tinycomp.course.spec import Check, ModuleSpec, arr
 from tinycomp.errors import GradingError
 
 SOLUTION_CELLS = [
@@ -35,7 +34,6 @@ SOLUTION_CELLS = [
 
 CHECKS_SRC = '''
 import numpy as np
-from tinycomp.course.spec import Check, ModuleSpec, arr
 def run_double(ns, i): return {{'out': arr(ns.double(i['x']))}}
 def run_add(ns, i):
     acc = ns.Acc(np.zeros(i['x'].shape[1], np.float32))
