@@ -34,6 +34,7 @@ SOLUTION_CELLS = [
 
 CHECKS_SRC = '''
 import numpy as np
+from tinycomp.course.spec import Check, ModuleSpec, arr
 def run_double(ns, i): return {{'out': arr(ns.double(i['x']))}}
 def run_add(ns, i):
     acc = ns.Acc(np.zeros(i['x'].shape[1], np.float32))
