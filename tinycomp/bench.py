@@ -6,7 +6,7 @@
 __all__ = ['CONV_SHAPES', 'CLI_ORDER', 'blas_threads', 'usable_cores', 'check_threads', 'threads_arg', 'set_threads',
            'thread_info', 'time_fn', 'conv_benchmark', 'train_benchmark', 'positive_int', 'add_cli']
 
-# %% ../nbs/97_bench.ipynb #71d0c03b
+# %% ../nbs/97_bench.ipynb #bf4ed6e0
 import argparse
 import ctypes
 import glob
@@ -21,7 +21,7 @@ import numpy as np
 from .conv import conv2d_backward, conv2d_flops, conv2d_forward, conv2d_im2col, conv2d_naive
 from .errors import TinycompError
 
-# %% ../nbs/97_bench.ipynb #2d690435
+# %% ../nbs/97_bench.ipynb #822632f3
 def _openblas():
     "The OpenBLAS shared library NumPy loaded, or None."
     paths = []
@@ -44,6 +44,7 @@ def blas_threads():
     fns = _openblas()
     return int(fns[1]()) if fns else None
 
+# %% ../nbs/97_bench.ipynb #8f3e9de2
 def usable_cores() -> int:
     "Cores this process may run on (CPU affinity where the OS reports it, else `os.cpu_count()`)."
     try: return len(os.sched_getaffinity(0))
@@ -70,6 +71,7 @@ def threads_arg(value) -> int:
     try: return check_threads(value)
     except TinycompError as e: raise argparse.ArgumentTypeError(str(e)) from None
 
+# %% ../nbs/97_bench.ipynb #9bba4d29
 def set_threads(n):
     "Use `n` threads in Numba, OpenBLAS (if found) and PyTorch (if imported); returns what was set."
     n = check_threads(n)
@@ -96,7 +98,7 @@ def _torch():
     except ImportError:
         return None
 
-# %% ../nbs/97_bench.ipynb #f3373d3b
+# %% ../nbs/97_bench.ipynb #047eb065
 def time_fn(fn, repeats=20, warmup=2):
     "Time `fn()`: dict with median, p90, mean and min seconds, coefficient of variation, and a >10 % CV flag."
     for _ in range(warmup): fn()
@@ -107,7 +109,7 @@ def time_fn(fn, repeats=20, warmup=2):
     return dict(median=float(np.median(ts)), p90=float(np.percentile(ts, 90)), mean=float(ts.mean()),
                 min=float(ts.min()), cv=cv, noisy=cv > 0.10, repeats=int(repeats))
 
-# %% ../nbs/97_bench.ipynb #76225d72
+# %% ../nbs/97_bench.ipynb #73d3c004
 CONV_SHAPES = [(64, 1, 8, 8, 16), (64, 16, 8, 8, 32), (32, 3, 32, 32, 32), (32, 32, 16, 16, 64), (1, 64, 56, 56, 64)]
 
 def _conv_row(shape, repeats, naive, torch, settle=0.2):
@@ -141,6 +143,7 @@ def _conv_row(shape, repeats, naive, torch, settle=0.2):
         res['bwd_vs_torch'] = t['torch_bwd']['median'] / t['tinycomp_bwd']['median']
     return res
 
+# %% ../nbs/97_bench.ipynb #10a86c4c
 def _fmt_row(r):
     t = r['timings']
     def cell(k):
@@ -176,12 +179,13 @@ def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_to
         with open(json_path, 'w') as f: json.dump(result, f, indent=1)
     return result
 
-# %% ../nbs/97_bench.ipynb #a930c077
+# %% ../nbs/97_bench.ipynb #63c7b64e
 def _torch_digits_cnn(torch):
     nn = torch.nn
     return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 10))
 
+# %% ../nbs/97_bench.ipynb #f4674cfd
 def _train_tinycomp(batches, epochs, lr, test):
     from tinycomp.models import digits_cnn, evaluate
     from tinycomp.nn.functional import cross_entropy
@@ -214,6 +218,7 @@ def _train_torch(torch, batches, epochs, lr, test):
     with torch.no_grad(): acc = (model(torch.from_numpy(test[0])).argmax(1).numpy() == test[1]).mean()
     return seconds, float(acc)
 
+# %% ../nbs/97_bench.ipynb #f60ca935
 def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=None, verbose=True):
     "Train digits_cnn `epochs` epochs with tinycomp and (if installed) PyTorch on identical batches; print times and the ratio."
     from tinycomp.data import DataLoader, load_digits
@@ -246,7 +251,7 @@ def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=N
         with open(json_path, 'w') as f: json.dump(result, f, indent=1)
     return result
 
-# %% ../nbs/97_bench.ipynb #ffad144f
+# %% ../nbs/97_bench.ipynb #551ed7d8
 CLI_ORDER = 20
 
 def positive_int(value) -> int:

@@ -8,7 +8,7 @@ __all__ = ['njit', 'conv_output_size', 'conv2d_flops', 'conv2d_naive', 'im2col',
            'max_pool2d', 'avg_pool2d', 'adaptive_avg_pool2d', 'MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d',
            'batch_norm', 'BatchNorm2d']
 
-# %% ../nbs/02_conv.ipynb #28d61252
+# %% ../nbs/02_conv.ipynb #1a7bb843
 import numba
 import numpy as np
 from numba import prange
@@ -18,7 +18,7 @@ from .files import register_layer
 from .nn.modules import Module, Parameter, default_init_
 from .tensor import Tensor, as_tensor
 
-# %% ../nbs/02_conv.ipynb #a3f0c2d2
+# %% ../nbs/02_conv.ipynb #b37de0e0
 def njit(fn=None, **options):
     """Numba's `njit(**options)`, except that a function whose body only raises `NotImplementedError` (an exercise
     not written yet) is compiled without `parallel=True`, so Numba does not warn that nothing could be parallelised."""
@@ -28,7 +28,7 @@ def njit(fn=None, **options):
         return numba.njit(**options)(f)
     return decorate if fn is None else decorate(fn)
 
-# %% ../nbs/02_conv.ipynb #5256742f
+# %% ../nbs/02_conv.ipynb #542bdcf3
 def _pair(v, name='argument'):
     "`v` as a pair of ints (`3` -> `(3, 3)`, `(2, 1)` stays)."
     if isinstance(v, (int, np.integer)): return int(v), int(v)
@@ -46,7 +46,7 @@ def conv2d_flops(x_shape, w_shape, out_shape):
     n, cout, oh, ow = out_shape
     return 2 * n * cout * oh * ow * int(np.prod(w_shape[1:]))
 
-# %% ../nbs/02_conv.ipynb #d29dd63a
+# %% ../nbs/02_conv.ipynb #f05e826a
 def conv2d_naive(x, weight, bias=None, stride=1, padding=0):
     """2-D convolution of `x` (N, C, H, W) with `weight` (Cout, C, kh, kw) and optional `bias` (Cout,),
     with integer `stride` and zero `padding` (groups=1, dilation=1). Returns a float32 array (N, Cout, OH, OW).
@@ -77,7 +77,7 @@ def conv2d_naive(x, weight, bias=None, stride=1, padding=0):
     return out
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #bb3cfdac
+# %% ../nbs/02_conv.ipynb #dc54bd90
 def im2col(x, kh, kw, stride=1, padding=0):
     """Unfold `x` (N, C, H, W) into columns of shape (C*kh*kw, N*OH*OW) for a kh x kw window with
     integer `stride` and zero `padding`.
@@ -100,7 +100,7 @@ def im2col(x, kh, kw, stride=1, padding=0):
     return cols.reshape(c * kh * kw, n * oh * ow)
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #b1e0a003
+# %% ../nbs/02_conv.ipynb #d894892e
 def conv2d_im2col(x, weight, bias=None, stride=1, padding=0):
     "Same result as `conv2d_naive`, computed as im2col followed by one NumPy (BLAS) matrix multiply."
     x = np.asarray(x, dtype=np.float32); weight = np.asarray(weight, dtype=np.float32)
@@ -112,7 +112,7 @@ def conv2d_im2col(x, weight, bias=None, stride=1, padding=0):
     if bias is not None: out = out + np.asarray(bias, np.float32)[:, None, None]
     return np.ascontiguousarray(out)
 
-# %% ../nbs/02_conv.ipynb #48434ec2
+# %% ../nbs/02_conv.ipynb #05d41c77
 @njit(parallel=True, cache=True, fastmath=True)
 def conv2d_direct_kernel(x, weight, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups):
     """Direct convolution (no bias) of `x` (N, C, H, W) with `weight` (Cout, C//groups, kh, kw), compiled by Numba.
@@ -155,7 +155,19 @@ def conv2d_direct_kernel(x, weight, stride_h, stride_w, pad_h, pad_w, dil_h, dil
     return out
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #6fbffbe5
+# %% ../nbs/02_conv.ipynb #0daae138
+@njit(cache=True)
+def _inside_columns(ow, stride_w, off, w):
+    "`(x0, x1)`: the output columns `xo` in `[0, ow)` whose input column `xo * stride_w + off` lies in `[0, w)`."
+    x0 = 0
+    while x0 < ow and x0 * stride_w + off < 0:
+        x0 += 1
+    x1 = ow
+    while x1 > x0 and (x1 - 1) * stride_w + off >= w:
+        x1 -= 1
+    return x0, x1
+
+# %% ../nbs/02_conv.ipynb #cabec0f2
 @njit(cache=True)
 def _im2col_chunk(x, c0, cg, n0, n1, y0, y1, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, ow, cols):
     "Unfold channels [c0, c0+cg) of samples [n0, n1), output rows [y0, y1) of `x` into `cols` (cg*kh*kw, Q)."
@@ -169,12 +181,7 @@ def _im2col_chunk(x, c0, cg, n0, n1, y0, y1, kh, kw, stride_h, stride_w, pad_h, 
         j = r % kw
         oy = i * dil_h - pad_h                     # input row of output row y: y * stride_h + oy
         off = j * dil_w - pad_w                    # input column of output column xo: xo * stride_w + off
-        x0 = 0                                     # first output column whose input column is inside the image
-        while x0 < ow and x0 * stride_w + off < 0:
-            x0 += 1
-        x1 = ow                                    # one past the last such column
-        while x1 > x0 and (x1 - 1) * stride_w + off >= w:
-            x1 -= 1
+        x0, x1 = _inside_columns(ow, stride_w, off, w)
         base = r * q
         for n in range(n0, n1):
             for y in range(y0, y1):
@@ -197,7 +204,7 @@ def _im2col_chunk(x, c0, cg, n0, n1, y0, y1, kh, kw, stride_h, stride_w, pad_h, 
                 base += ow
     return cols
 
-# %% ../nbs/02_conv.ipynb #b1e0a007
+# %% ../nbs/02_conv.ipynb #4c71e426
 @njit(cache=True)
 def _col2im_chunk_add(cols, dx, c0, cg, n0, n1, y0, y1, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, ow):
     "Adjoint of `_im2col_chunk`: add every column entry back into the input position it was copied from."
@@ -212,12 +219,7 @@ def _col2im_chunk_add(cols, dx, c0, cg, n0, n1, y0, y1, kh, kw, stride_h, stride
                 r = (cl * kh + i) * kw + j
                 oy = i * dil_h - pad_h
                 off = j * dil_w - pad_w
-                x0 = 0
-                while x0 < ow and x0 * stride_w + off < 0:
-                    x0 += 1
-                x1 = ow
-                while x1 > x0 and (x1 - 1) * stride_w + off >= w:
-                    x1 -= 1
+                x0, x1 = _inside_columns(ow, stride_w, off, w)
                 base = r * q
                 for n in range(n0, n1):
                     for y in range(y0, y1):
@@ -229,7 +231,7 @@ def _col2im_chunk_add(cols, dx, c0, cg, n0, n1, y0, y1, kh, kw, stride_h, stride
                         base += ow
     return dx
 
-# %% ../nbs/02_conv.ipynb #b1e0a00a
+# %% ../nbs/02_conv.ipynb #07eb42e3
 @njit(cache=True)
 def _scatter_out(tmp, out, co0, n0, n1, y0, y1, bias, has_bias):
     "Copy a GEMM result `tmp` (cog, Q) into `out[n0:n1, co0:co0+cog, y0:y1, :]`, adding the bias."
@@ -262,7 +264,7 @@ def _gather_grad(g, n0, n1, y0, y1):
                 m[co, dst + xo] = g[n0 + k, co, y0 + y, xo]
     return m
 
-# %% ../nbs/02_conv.ipynb #b1e0a00c
+# %% ../nbs/02_conv.ipynb #99dcdb4a
 def _chunks(n, oh, ow, target=2048):
     "Split the N*OH*OW output pixels into chunks (n0, n1, y0, y1) of about `target` columns."
     per_sample = oh * ow
@@ -272,7 +274,7 @@ def _chunks(n, oh, ow, target=2048):
     k = max(1, target // per_sample)
     return [(i, min(n, i + k), 0, oh) for i in range(0, n, k)]
 
-# %% ../nbs/02_conv.ipynb #524683eb
+# %% ../nbs/02_conv.ipynb #44d2f474
 def _geometry(x_shape, w_shape, stride, padding, dilation, groups):
     "Validate a conv2d call and return (stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, oh, ow)."
     if len(x_shape) != 4:
@@ -298,7 +300,7 @@ def _geometry(x_shape, w_shape, stride, padding, dilation, groups):
                          f"({dil_h}, {dil_w}): the output would be {oh}x{ow}")
     return stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, oh, ow
 
-# %% ../nbs/02_conv.ipynb #b1e0a00f
+# %% ../nbs/02_conv.ipynb #c58fc80b
 def _use_gemm(w_shape, groups):
     "GEMM pays when each group has a few output channels; depthwise-like convs use the direct kernel."
     return w_shape[0] // groups >= 4
@@ -331,7 +333,7 @@ def conv2d_forward(x, weight, bias=None, stride=1, padding=0, dilation=1, groups
             _scatter_out(tmp, out, g * cog, n0, n1, y0, y1, b, has_bias)
     return out
 
-# %% ../nbs/02_conv.ipynb #de434881
+# %% ../nbs/02_conv.ipynb #72e88f09
 @njit(parallel=True, cache=True, fastmath=True)
 def conv2d_weight_grad_kernel(x, grad_out, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups):
     """Gradient of a conv2d's loss with respect to its weight, for input `x` (N, C, H, W) and output gradient
@@ -372,7 +374,7 @@ def conv2d_weight_grad_kernel(x, grad_out, kh, kw, stride_h, stride_w, pad_h, pa
     return dw
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #b1e0a013
+# %% ../nbs/02_conv.ipynb #8fdda3ab
 @njit(parallel=True, cache=True, fastmath=True)
 def _conv2d_input_grad_direct(grad_out, weight, h, w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups):
     "Gradient with respect to the input of the direct convolution: scatter each output gradient back."
@@ -402,7 +404,7 @@ def _conv2d_input_grad_direct(grad_out, weight, h, w, stride_h, stride_w, pad_h,
                                 dx[n, c, iy, ix] += wv * grad_out[n, co, y, xo]
     return dx
 
-# %% ../nbs/02_conv.ipynb #b1e0a016
+# %% ../nbs/02_conv.ipynb #f4b95fb5
 def conv2d_backward(grad_out, x, weight, stride=1, padding=0, dilation=1, groups=1,
                     need_input=True, need_weight=True, need_bias=True):
     "Gradients (dx, dweight, dbias) of conv2d for output gradient `grad_out`; None where not needed."
@@ -441,7 +443,7 @@ def conv2d_backward(grad_out, x, weight, stride=1, padding=0, dilation=1, groups
                 _col2im_chunk_add(cols, dx, gi * cg, cg, n0, n1, y0, y1, kh, kw, *geom, ow)
     return dx, (dwm.reshape(weight.shape) if need_weight else None), db
 
-# %% ../nbs/02_conv.ipynb #425b0e53
+# %% ../nbs/02_conv.ipynb #45a46435
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     "2-D convolution with PyTorch's semantics (NCHW input, weight (Cout, Cin/groups, kh, kw)), differentiable."
     x, w = as_tensor(input), as_tensor(weight)
@@ -454,7 +456,7 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         return (dx, dw) if b is None else (dx, dw, db)
     return Tensor.from_op(out, parents, backward, op='conv2d')
 
-# %% ../nbs/02_conv.ipynb #b1e0a01b
+# %% ../nbs/02_conv.ipynb #2f1e9267
 def _config_pair(v):
     "A pair as JSON-safe config: an int when both entries agree, else a list."
     a, b = _pair(v)
@@ -482,7 +484,7 @@ class Conv2d(Module):
     def forward(self, x):
         return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
-# %% ../nbs/02_conv.ipynb #97d7e29d
+# %% ../nbs/02_conv.ipynb #2848d59b
 @njit(cache=True)
 def _max_pool2d_kernel(x, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w):
     "Max pooling forward: (values, flat indices into each (H, W) plane)."
@@ -514,7 +516,7 @@ def _max_pool2d_kernel(x, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w
                 idx[n, c, y, xo] = arg
     return out, idx
 
-# %% ../nbs/02_conv.ipynb #b1e0a01d
+# %% ../nbs/02_conv.ipynb #2f9c4045
 @njit(cache=True)
 def max_pool2d_backward(grad_out, indices, height, width):
     """Backward pass of max pooling: route each output gradient to the input position that won its window.
@@ -540,7 +542,7 @@ def max_pool2d_backward(grad_out, indices, height, width):
     return dx
     ### END SOLUTION
 
-# %% ../nbs/02_conv.ipynb #b1e0a020
+# %% ../nbs/02_conv.ipynb #0752f074
 def _pool_geometry(x, kernel_size, stride, padding, dilation, name):
     "Validate a pooling call: (x as a Tensor, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w)."
     x = as_tensor(x)
@@ -565,7 +567,7 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1):
     return Tensor.from_op(out, (x,), lambda g: (max_pool2d_backward(np.ascontiguousarray(g, dtype=out.dtype), idx, h, w),),
                           op='max_pool2d')
 
-# %% ../nbs/02_conv.ipynb #b1e0a022
+# %% ../nbs/02_conv.ipynb #e5314893
 @njit(cache=True)
 def _avg_pool2d_kernel(x, kh, kw, stride_h, stride_w, pad_h, pad_w, count_include_pad):
     "Average pooling forward (no dilation)."
@@ -589,7 +591,7 @@ def _avg_pool2d_kernel(x, kh, kw, stride_h, stride_w, pad_h, pad_w, count_includ
                 out[n, c, y, xo] = s / cnt
     return out
 
-# %% ../nbs/02_conv.ipynb #b1e0a035
+# %% ../nbs/02_conv.ipynb #0fce3065
 @njit(cache=True)
 def _avg_pool2d_backward_kernel(g, h, w, kh, kw, stride_h, stride_w, pad_h, pad_w, count_include_pad):
     "Average pooling backward: each output gradient, divided by its window's count, spread over the window."
@@ -622,7 +624,7 @@ def avg_pool2d(input, kernel_size, stride=None, padding=0, count_include_pad=Tru
     return Tensor.from_op(out, (x,), lambda g: (_avg_pool2d_backward_kernel(np.ascontiguousarray(g, dtype=out.dtype), h, w, *geom),),
                           op='avg_pool2d')
 
-# %% ../nbs/02_conv.ipynb #b1e0a025
+# %% ../nbs/02_conv.ipynb #2e3e9d71
 def adaptive_avg_pool2d(input, output_size):
     "Average pooling to a fixed output size (PyTorch's bins: rows floor(i*H/oh) to ceil((i+1)*H/oh))."
     x = as_tensor(input)
@@ -643,7 +645,7 @@ def adaptive_avg_pool2d(input, output_size):
         return (dx,)
     return Tensor.from_op(out, (x,), backward, op='adaptive_avg_pool2d')
 
-# %% ../nbs/02_conv.ipynb #b1e0a028
+# %% ../nbs/02_conv.ipynb #98d337c6
 @register_layer
 class MaxPool2d(Module):
     "Max pooling layer (PyTorch's `nn.MaxPool2d`, floor mode)."
@@ -675,7 +677,7 @@ class AdaptiveAvgPool2d(Module):
     def config(self): return dict(output_size=_config_pair(self.output_size))
     def forward(self, x): return adaptive_avg_pool2d(x, self.output_size)
 
-# %% ../nbs/02_conv.ipynb #11cf409a
+# %% ../nbs/02_conv.ipynb #43ec087b
 def batch_norm(input, running_mean=None, running_var=None, weight=None, bias=None, training=False, momentum=0.1,
                eps=1e-5, num_batches_tracked=None):
     "Batch normalisation over (N, H, W) per channel (PyTorch's `F.batch_norm`); updates running stats in place."
@@ -717,7 +719,7 @@ def batch_norm(input, running_mean=None, running_var=None, weight=None, bias=Non
         return grads
     return Tensor.from_op(out.astype(x.dtype, copy=False), parents, backward, op='batch_norm')
 
-# %% ../nbs/02_conv.ipynb #b1e0a02a
+# %% ../nbs/02_conv.ipynb #6453a369
 @register_layer
 class BatchNorm2d(Module):
     "Batch normalisation of (N, C, H, W) inputs per channel (PyTorch's `nn.BatchNorm2d`)."

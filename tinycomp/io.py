@@ -92,7 +92,7 @@ def save(model, path, metadata: dict | None = None) -> Path:
     with atomic_write(path) as f: write_npz(f, arrays)  # uncompressed, fixed time stamps: same model, same bytes
     return path
 
-# %% ../nbs/93_io.ipynb #23c93fc2
+# %% ../nbs/93_io.ipynb #08d377c9
 _MAX_DEPTH, _MAX_MANIFEST = 64, 64 << 20
 
 def _fail(path, what): return ModelFileError(f"{path}: {what}")
@@ -111,6 +111,7 @@ def _import_layer_modules(path, names):
                         "(a newer tinycomp may have written it; upgrade tinycomp)")
         importlib.import_module(name)
 
+# %% ../nbs/93_io.ipynb #9029fdf9
 def _check_node(path, node, where='model', depth=0):
     if depth > _MAX_DEPTH: raise _fail(path, f"module tree deeper than {_MAX_DEPTH} levels")
     if not isinstance(node, dict) or set(node) != {'type', 'config', 'children'}:
@@ -125,6 +126,7 @@ def _check_node(path, node, where='model', depth=0):
         if not _NAME.fullmatch(name): raise _fail(path, f"child name {name!r} of {where} is not allowed")
         _check_node(path, child, f"{where}.{name}", depth + 1)
 
+# %% ../nbs/93_io.ipynb #292ba974
 def _read_json(path, raw):
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise _fail(path, f"{MANIFEST_KEY} must be a 1-D uint8 array of UTF-8 JSON, got {raw.dtype} {raw.shape}")
@@ -146,6 +148,7 @@ def _npy_header(path, zf, name):
                     "truncated or corrupt") from None
     return shape, dtype
 
+# %% ../nbs/93_io.ipynb #ce767160
 def read_manifest(path) -> tuple[dict, dict]:
     "Validate the model file at `path` without building a model; return (manifest, arrays)."
     path = Path(path)
@@ -213,6 +216,7 @@ def read_manifest(path) -> tuple[dict, dict]:
             arrays[name] = a
     return manifest, arrays
 
+# %% ../nbs/93_io.ipynb #b8d724c3
 def _build(path, node, where='model'):
     cls, children = LAYERS[node['type']], node['children']
     try: module = cls(**node['config'])

@@ -7,8 +7,7 @@ __all__ = ['MODELS', 'Evaluation', 'RECIPES', 'PRETRAINED_DIR', 'CLI_ORDER', 'di
            'evaluate', 'fit', 'train_reference', 'pretrained_path', 'load_pretrained', 'pretrained_info',
            'save_pretrained', 'digits_split_sizes', 'plot_history', 'train_command', 'add_cli']
 
-# %% ../nbs/92_models.ipynb #2793a887
-import argparse
+# %% ../nbs/92_models.ipynb #8775d925
 import json
 import time
 from collections import namedtuple
@@ -27,7 +26,7 @@ from .nn.modules import Dropout, Flatten, Linear, ReLU, Sequential
 from .optim import Adam, CosineAnnealingLR
 from .tensor import Tensor, manual_seed, no_grad
 
-# %% ../nbs/92_models.ipynb #cbffb7ac
+# %% ../nbs/92_models.ipynb #4950297a
 def digits_cnn() -> Sequential:
     "Reference student CNN for 8x8 digits: conv16-relu-conv32-relu-maxpool-linear, 9,930 parameters."
     return Sequential(
@@ -53,7 +52,7 @@ def count_parameters(model) -> int:
     "Number of trainable scalars in `model`."
     return int(sum(p.data.size for p in model.parameters()))
 
-# %% ../nbs/92_models.ipynb #96e5a784
+# %% ../nbs/92_models.ipynb #6e402a8b
 Evaluation = namedtuple('Evaluation', 'loss accuracy')
 
 def _batches(data, batch_size=256):
@@ -110,7 +109,7 @@ def fit(model, train_loader, val_loader=None, epochs=10, optimizer=None, schedul
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", val_acc=f"{val.accuracy:.3f}")
     return history
 
-# %% ../nbs/92_models.ipynb #d0d35799
+# %% ../nbs/92_models.ipynb #d3658ee8
 RECIPES = {
     'digits_cnn': dict(epochs=15, lr=1e-2, batch_size=64, seed=0),
     'digits_cnn_wide': dict(epochs=20, lr=3e-3, batch_size=64, seed=0),
@@ -119,6 +118,7 @@ RECIPES = {
 def train_reference(name, epochs=None, seed=None, progress=True):
     "Train the reference model `name` from scratch with its recipe; return (model, history)."
     if name not in MODELS: raise TinycompError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    if epochs is not None and epochs < 1: raise TinycompError(f"epochs must be at least 1, got {epochs}")
     recipe = {**RECIPES[name], **({} if epochs is None else {'epochs': epochs}), **({} if seed is None else {'seed': seed})}
     manual_seed(recipe['seed'])
     model = MODELS[name]()
@@ -129,7 +129,7 @@ def train_reference(name, epochs=None, seed=None, progress=True):
     history = fit(model, train, val, recipe['epochs'], opt, sched, progress=progress)
     return model.eval(), history
 
-# %% ../nbs/92_models.ipynb #88939fa9
+# %% ../nbs/92_models.ipynb #e1cfb704
 PRETRAINED_DIR = Path(tinycomp.__file__).parent / 'pretrained'
 
 def pretrained_path(name) -> Path:
@@ -162,7 +162,7 @@ def save_pretrained(name, model, history, directory=None) -> Path:
     path.with_suffix('.json').write_text(json.dumps(info, indent=1))
     return path
 
-# %% ../nbs/92_models.ipynb #1b7522fd
+# %% ../nbs/92_models.ipynb #b106bec2
 def digits_split_sizes() -> dict:
     "Images per split of the shipped digits data: {'train': 1259, 'val': 179, 'test': 359}."
     return {s: len(load_digits(s, normalize=False)[1]) for s in ('train', 'val', 'test')}
@@ -197,7 +197,7 @@ def plot_history(history, title='', path=None, splits=None, test_accuracy=None):
     if path is not None: fig.savefig(path, dpi=110)
     return fig
 
-# %% ../nbs/92_models.ipynb #3eda2d51
+# %% ../nbs/92_models.ipynb #2548f55b
 CLI_ORDER = 30
 
 def train_command(name, out='.', epochs=None, seed=None, progress=True) -> Path:
@@ -213,11 +213,6 @@ def train_command(name, out='.', epochs=None, seed=None, progress=True) -> Path:
         print(f"largest difference from the shipped weights: {diff:.3g}" + ("  (identical)" if diff == 0 else ''))
     return path
 
-def _positive_int(value) -> int:
-    try: n = int(value)
-    except (TypeError, ValueError): raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
-    if n < 1: raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 def _run_train(args) -> int:
     train_command(args.name, args.out, args.epochs, args.seed, progress=not args.no_progress)
@@ -234,7 +229,7 @@ def add_cli(subparsers):
                     f'the unchanged recipe, the largest difference from the shipped weights. Recipes: {recipes}.')
     p.add_argument('name', choices=sorted(MODELS), metavar='NAME', help=f"the model to train: {', '.join(sorted(MODELS))}")
     p.add_argument('--out', default='.', metavar='DIR', help='directory to write NAME.npz and NAME.json (default: current directory)')
-    p.add_argument('--epochs', type=_positive_int, default=None, metavar='E', help="override the recipe's epochs")
+    p.add_argument('--epochs', type=int, default=None, metavar='E', help="override the recipe's epochs")
     p.add_argument('--seed', type=int, default=None, help="override the recipe's seed")
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.set_defaults(func=_run_train)

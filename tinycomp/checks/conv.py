@@ -10,7 +10,7 @@ import numpy as np
 
 from ..course.spec import Check, ModuleSpec, arr, f32
 
-# %% ../../nbs/checks/02_conv.ipynb #900e6daa
+# %% ../../nbs/checks/02_conv.ipynb #ec8bfc52
 def _conv_geometry(kind, rng):
     "(x shape, weight shape, stride, padding, dilation, groups) for a named kind of convolution."
     r = lambda a, b: int(rng.integers(a, b))
@@ -31,6 +31,7 @@ def _conv_geometry(kind, rng):
     if kind == 'depthwise': return (n, c, h, w), (c, 1, 3, 3), (1, 1), (1, 1), (1, 1), c
     raise ValueError(kind)
 
+# %% ../../nbs/checks/02_conv.ipynb #8fa2053c
 def _naive_inputs(kind):
     def make(rng):
         xs, ws, st, pad, _, _ = _conv_geometry('basic' if kind == 'basic' else 'strided', rng)
@@ -53,6 +54,7 @@ def _im2col_inputs(kind):
 def _run_im2col(ns, i):
     return {'cols': arr(ns.im2col(i['x'], int(i['kh']), int(i['kw']), stride=int(i['stride']), padding=int(i['padding'])))}
 
+# %% ../../nbs/checks/02_conv.ipynb #38dfc746
 def _geom_args(i):
     return tuple(int(v) for v in i['geom'])      # stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups
 
@@ -75,6 +77,7 @@ def _run_wgrad(ns, i):
     return {'dw': arr(ns.conv2d_weight_grad_kernel(np.ascontiguousarray(i['x']), np.ascontiguousarray(i['grad_out']),
                                                    int(kh), int(kw), *_geom_args(i)))}
 
+# %% ../../nbs/checks/02_conv.ipynb #d2f25635
 def _pool_back_inputs(kind):
     def make(rng):
         n, c = int(rng.integers(1, 3)), int(rng.integers(2, 4))

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..course.spec import Check, ModuleSpec, arr, f32, shape_of
 
-# %% ../../nbs/checks/01_tensor.ipynb #7c183812
+# %% ../../nbs/checks/01_tensor.ipynb #b4ffe175
 def broadcast_pair(rng, ndim_max=3):
     "Two broadcast-compatible shapes (a, b) and their broadcast shape, with stretched axes of size 1 and missing leading axes."
     nd = int(rng.integers(1, ndim_max + 1))
@@ -22,6 +22,7 @@ def broadcast_pair(rng, ndim_max=3):
     a, b = squash(), squash()
     return a, b, tuple(out)
 
+# %% ../../nbs/checks/01_tensor.ipynb #1f346d80
 def _unbroadcast_inputs(kind):
     def make(rng):
         m, n, b = (int(rng.integers(2, 6)) for _ in range(3))
@@ -67,6 +68,7 @@ def _run_matmul(ns, i):
     ga, gb = ns.matmul_backward(i['grad'], i['a'], i['b'])
     return {'ga': arr(ga), 'gb': arr(gb)}
 
+# %% ../../nbs/checks/01_tensor.ipynb #f3647a41
 def _relu_inputs(rng):
     shape = tuple(int(s) for s in rng.integers(2, 6, size=int(rng.integers(1, 4))))
     x = f32(rng, *shape)
@@ -96,6 +98,7 @@ def _lsm_back_inputs(axis):
 
 def _run_lsm_back(ns, i): return {'out': arr(ns.log_softmax_backward(i['grad'], i['out'], int(i['axis'])))}
 
+# %% ../../nbs/checks/01_tensor.ipynb #936621de
 _PURE_01 = ('unbroadcast', 'add_backward', 'mul_backward', 'matmul_backward', 'relu_backward',
             'log_softmax_forward', 'log_softmax_backward')
 
@@ -133,6 +136,7 @@ def _run_linear(ns, i):
     if bias: out['db'] = arr(b.grad)
     return out
 
+# %% ../../nbs/checks/01_tensor.ipynb #130e82e4
 def _opt_inputs(kind):
     def make(rng):
         steps = 4

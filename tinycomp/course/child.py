@@ -150,7 +150,7 @@ def reference_functions(modnames, names) -> dict:
     gc.collect()
     return out
 
-# %% ../../nbs/98e_child.ipynb #8def5955
+# %% ../../nbs/98e_child.ipynb #258ea729
 def _limit_resources(mem_limit):
     try:
         import resource
@@ -176,6 +176,7 @@ def _outputs(out) -> bytes:
     np.savez(buf, allow_pickle=False, **arrays)
     return buf.getvalue()
 
+# %% ../../nbs/98e_child.ipynb #c311aa82
 def child_main(job_file: str, fd: int):
     "Entry point of the grading child process: run the jobs in `job_file`, report on file descriptor `fd`."
     job = json.loads(Path(job_file).read_text())

@@ -200,7 +200,7 @@ def repo_root(start=None) -> Path:
     if (pkg_parent / 'nbs').is_dir(): return pkg_parent
     raise GradingError("cannot find the tinycomp repository (a folder with settings.ini and nbs/); run this inside your clone")
 
-# %% ../../nbs/98a_notebooks.ipynb #6a406f7b
+# %% ../../nbs/98a_notebooks.ipynb #479bf0c9
 _SELF = '_this_module'
 _PRELUDE = f"import sys as _sys; {_SELF} = _sys.modules[__name__]; del _sys\n"
 
@@ -223,6 +223,7 @@ class CellRef:
         first = code[0] if code else ''
         return f"the cell starting `{first[:60]}{'...' if len(first) > 60 else ''}`"
 
+# %% ../../nbs/98a_notebooks.ipynb #fb834287
 def _rewrite_own_imports(src: str, own: tuple) -> str:
     "Replace imports of the module's own files in `src` by assignments, keeping every line where it was."
     try: tree = ast.parse(src)
@@ -244,6 +245,7 @@ def _rewrite_own_imports(src: str, own: tuple) -> str:
         lines[first - 1:last] = [' ' * col + new] + [''] * (last - first)
     return '\n'.join(lines) + ('\n' if src.endswith('\n') else '')
 
+# %% ../../nbs/98a_notebooks.ipynb #bb711056
 def exported_code(notebooks, own=(), where=None) -> tuple:
     """`(code, line_map)`: the `#| export` cells of `notebooks` (`[(part name, nb dict)]`) as one module, with
     imports of the module's `own` files rewritten; `line_map` is a list of `CellRef`."""

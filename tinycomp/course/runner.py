@@ -58,7 +58,7 @@ class Channel:
             if chunk: self.buf += chunk
             else: self.eof = True
 
-# %% ../../nbs/98f_runner.ipynb #dc7cf3f6
+# %% ../../nbs/98f_runner.ipynb #36e7c08c
 DEFAULT_MEM_LIMIT = 3 << 30      # bytes of address space; Numba/LLVM need about 1 GiB of it
 IMPORT_TIMEOUT = 60.0            # seconds to import the learner's module
 
@@ -97,6 +97,7 @@ def _exit_code(proc):
     try: return proc.wait(timeout=5)
     except subprocess.TimeoutExpired: return None
 
+# %% ../../nbs/98f_runner.ipynb #377433e7
 def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_ref: str, sys_path=(),
              mem_limit=DEFAULT_MEM_LIMIT, import_timeout=IMPORT_TIMEOUT) -> dict:
     "Run `jobs` on the learner's `module_code` in child processes. Returns `{job id: result dict}`."

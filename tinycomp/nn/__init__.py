@@ -7,7 +7,7 @@ __all__ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Ta
            'calculate_gain', 'default_init_', 'kaiming_normal_', 'kaiming_uniform_', 'normal_', 'uniform_',
            'xavier_normal_', 'xavier_uniform_', 'zeros_']
 
-# %% ../../nbs/94_nn.ipynb #7380a077
+# %% ../../nbs/94_nn.ipynb #bb429142
 from .modules import (
     Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential, Sigmoid, Tanh,
     calculate_gain, default_init_, kaiming_normal_, kaiming_uniform_, normal_, uniform_, xavier_normal_, xavier_uniform_, zeros_)
@@ -17,15 +17,8 @@ _all_ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh
          'calculate_gain', 'default_init_', 'kaiming_normal_', 'kaiming_uniform_', 'normal_', 'uniform_',
          'xavier_normal_', 'xavier_uniform_', 'zeros_']
 
-# %% ../../nbs/94_nn.ipynb #a69638b6
+# %% ../../nbs/94_nn.ipynb #f901f556
+from .functional import _lazy_from_conv
+
 _CONV_LAYERS = ('Conv2d', 'MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d', 'BatchNorm2d')
-
-def __getattr__(name):
-    "Module 02's layers (`Conv2d`, ...), imported from `tinycomp.conv` on first use."
-    if name in _CONV_LAYERS:
-        from tinycomp import conv
-        value = globals()[name] = getattr(conv, name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-def __dir__(): return sorted(set(globals()) | set(_CONV_LAYERS))
+__getattr__, __dir__ = _lazy_from_conv(_CONV_LAYERS, globals())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['cross_entropy', 'mse_loss', 'linear', 'dropout', 'relu', 'sigmoid', 'tanh', 'softmax', 'log_softmax']
 
-# %% ../../nbs/01b_functional.ipynb #a326e8b0
+# %% ../../nbs/01b_functional.ipynb #7ba4aa71
 import numpy as np
 
 from ..errors import ShapeError, TinycompError
@@ -13,7 +13,7 @@ from ..tensor import Tensor, as_tensor, default_generator, log_softmax, relu, si
 
 _all_ = ['relu', 'sigmoid', 'tanh', 'softmax', 'log_softmax']   # re-exported from part 01a
 
-# %% ../../nbs/01b_functional.ipynb #4676e0e6
+# %% ../../nbs/01b_functional.ipynb #1f9386d6
 def _check_labels(logits: Tensor, labels) -> np.ndarray:
     "Validate integer class labels for `logits` of shape (N, C)."
     labels = np.asarray(labels.data if isinstance(labels, Tensor) else labels)
@@ -25,7 +25,7 @@ def _check_labels(logits: Tensor, labels) -> np.ndarray:
         raise ShapeError(f"labels must lie in [0, {logits.shape[1]}), got values from {labels.min()} to {labels.max()}")
     return labels
 
-# %% ../../nbs/01b_functional.ipynb #626265be
+# %% ../../nbs/01b_functional.ipynb #063cc755
 def cross_entropy(logits, labels, reduction='mean'):
     """Cross-entropy of `logits` (N, C) against integer `labels` (N,), like `torch.nn.functional.cross_entropy`.
 
@@ -45,7 +45,7 @@ def cross_entropy(logits, labels, reduction='mean'):
     raise TinycompError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     ### END SOLUTION
 
-# %% ../../nbs/01b_functional.ipynb #32045b42
+# %% ../../nbs/01b_functional.ipynb #c70a7790
 def mse_loss(input, target, reduction='mean'):
     "Mean squared error, like `torch.nn.functional.mse_loss`."
     input, target = as_tensor(input), as_tensor(target)
@@ -55,7 +55,7 @@ def mse_loss(input, target, reduction='mean'):
     sq = (input - target) ** 2
     return sq.mean() if reduction == 'mean' else sq.sum() if reduction == 'sum' else sq
 
-# %% ../../nbs/01b_functional.ipynb #ae95f4ba
+# %% ../../nbs/01b_functional.ipynb #e24e49a0
 def linear(input, weight, bias=None) -> Tensor:
     """Affine map `input @ weight.T + bias`, weight of shape (out_features, in_features), like `torch.nn.functional.linear`.
 
@@ -78,7 +78,7 @@ def linear(input, weight, bias=None) -> Tensor:
     return y + bias if bias is not None else y
     ### END SOLUTION
 
-# %% ../../nbs/01b_functional.ipynb #45f04307
+# %% ../../nbs/01b_functional.ipynb #e7873d1a
 def dropout(input, p=0.5, training=True) -> Tensor:
     "Zero a fraction `p` of `input` (scaling the rest by 1/(1-p)) when `training`."
     x = as_tensor(input)
@@ -87,15 +87,17 @@ def dropout(input, p=0.5, training=True) -> Tensor:
     mask = (default_generator().random(x.shape) >= p).astype(x.dtype) / (1 - p)
     return x * mask
 
-# %% ../../nbs/01b_functional.ipynb #97daa8c8
+# %% ../../nbs/01b_functional.ipynb #f81f3145
+def _lazy_from_conv(names, namespace):
+    "`(__getattr__, __dir__)` for a module whose `names` are imported from `tinycomp.conv` on first use (PEP 562)."
+    def __getattr__(name):
+        if name in names:
+            import importlib
+            value = namespace[name] = getattr(importlib.import_module('tinycomp.conv'), name)
+            return value
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+    def __dir__(): return sorted(set(namespace) | set(names))
+    return __getattr__, __dir__
+
 _CONV_FUNCTIONS = ('conv2d', 'max_pool2d', 'avg_pool2d', 'adaptive_avg_pool2d', 'batch_norm')
-
-def __getattr__(name):
-    "Module 02's functions (`conv2d`, ...), imported from `tinycomp.conv` on first use."
-    if name in _CONV_FUNCTIONS:
-        from tinycomp import conv
-        value = globals()[name] = getattr(conv, name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-def __dir__(): return sorted(set(globals()) | set(_CONV_FUNCTIONS))
+__getattr__, __dir__ = _lazy_from_conv(_CONV_FUNCTIONS, globals())
