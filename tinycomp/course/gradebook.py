@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['learners', 'grade']
 
-# %% ../../nbs/98i_gradebook.ipynb #deb54ac8
+# %% ../../nbs/98i_gradebook.ipynb #fb48d781
 import csv
 import io
 import re
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ..errors import GradingError
@@ -19,7 +19,7 @@ from .grading import _fmt, grade_notebook
 from .refs import prepare_checks
 from .spec import ModuleSpec, get_spec
 
-# %% ../../nbs/98i_gradebook.ipynb #583303ed
+# %% ../../nbs/98i_gradebook.ipynb #f397bffa
 def learners(directory: Path, spec: ModuleSpec) -> list:
     "`(learner, notebooks, problem)` for every entry of `directory`."
     part = re.compile(rf"^{spec.key}[a-z]?_\w+\.ipynb$")
@@ -38,40 +38,64 @@ def learners(directory: Path, spec: ModuleSpec) -> list:
                               else f"{len(nbs)} notebooks in {p}, none named {spec.key}_*.ipynb"))
     return out
 
-def grade(directory, module: str, out, jobs: int = 1, seed: int = None, spec=None, spec_ref=None, sys_path=(),
-          progress: bool = True, **kw) -> int:
-    "Grade every learner's notebooks in `directory` for `module` into the CSV `out`."
-    spec = spec or get_spec(module)
-    directory = Path(directory)
-    if not directory.is_dir(): raise GradingError(f"{directory} is not a folder")
-    entries = learners(directory, spec)
-    prepared = prepare_checks(spec, seed)
-    names = spec.exercise_names()
-    def one(item):
-        who, nbs, problem = item
-        if not nbs: return {'learner': who, 'notebook': '', 'errors': problem}
-        try: r = grade_notebook(spec, nbs, prepared=prepared, spec_ref=spec_ref, sys_path=sys_path, **kw)
-        except GradingError as e: return {'learner': who, 'notebook': ' '.join(map(str, nbs)), 'errors': str(e)}
-        except Exception as e:  # the gradebook never dies for one learner
-            return {'learner': who, 'notebook': ' '.join(map(str, nbs)), 'errors': f"grader error: {type(e).__name__}: {e}"}
-        row = {'learner': who, 'notebook': ' '.join(map(str, nbs)), 'total': r.points}
-        for e in r.exercises: row[f"{e.number} {e.name}"] = e.points
-        errs = [r.error] if r.error else [f"{e.number} {e.status}: {textwrap.shorten(e.diagnosis, 160)}"
-                                          for e in r.exercises if e.status not in ('pass', 'todo')]
-        row['errors'] = ' | '.join(errs)
-        return row
-    rows = []
-    from tqdm.auto import tqdm
-    with ThreadPoolExecutor(max(1, int(jobs))) as pool:
-        for row in tqdm(pool.map(one, entries), total=len(entries), desc=f"grading module {spec.key}", disable=not progress):
-            rows.append(row)
-    cols = ['learner'] + [f"{spec.key}.{i + 1} {n}" for i, n in enumerate(names)] + ['total', 'possible', 'errors', 'notebook']
+def _read_gradebook(out, cols):
+    "`(seed, rows by learner)` of an existing gradebook with these columns, or `(None, {})`."
+    try:
+        with open(out, newline='', encoding='utf-8') as f: reader = csv.DictReader(f); rows = list(reader)
+    except (OSError, csv.Error, UnicodeDecodeError): return None, {}
+    if reader.fieldnames != cols or not rows: return None, {}
+    seeds = {r['seed'] for r in rows}
+    if len(seeds) != 1 or not next(iter(seeds)).isdigit(): return None, {}
+    return int(seeds.pop()), {r['learner']: r for r in rows}
+
+def _write_gradebook(out, cols, rows):
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction='ignore')
     w.writeheader()
-    for row in rows:
-        vals = {c: row.get(c, 0 if c not in ('errors', 'notebook', 'learner') else '') for c in cols} | {'possible': spec.possible}
-        w.writerow({c: _fmt(v) if isinstance(v, (int, float)) else v for c, v in vals.items()})
+    for who in sorted(rows): w.writerow(rows[who])
     with atomic_write(out) as f: f.write(buf.getvalue().encode('utf-8'))
+
+def _row(spec, who, nbs, seed, graded=None, problem=''):
+    "One gradebook row: points per exercise, total, errors."
+    names = [f"{spec.key}.{i + 1} {n}" for i, n in enumerate(spec.exercise_names())]
+    row = {'learner': who, 'notebook': ' '.join(map(str, nbs)), 'seed': seed, 'possible': _fmt(spec.possible)}
+    if graded is None: return row | {n: '0' for n in names} | {'total': '0', 'errors': problem}
+    row |= {f"{e.number} {e.name}": _fmt(e.points) for e in graded.exercises} | {'total': _fmt(graded.points)}
+    errs = [graded.error] if graded.error else [f"{e.number} {e.status}: {textwrap.shorten(e.diagnosis, 160)}"
+                                                for e in graded.exercises if e.status not in ('pass', 'todo')]
+    return row | {'errors': ' | '.join(errs)}
+
+def grade(directory, module: str, out, jobs: int = 1, seed: int = None, spec=None, spec_ref=None, sys_path=(),
+          progress: bool = True, fresh: bool = False, sandbox: bool = True, **kw) -> int:
+    """Grade every learner's notebooks in `directory` for `module` into the CSV `out`, one row committed per learner.
+    An existing gradebook for the same module is resumed (same seed, finished learners kept) unless `fresh`."""
+    spec = spec or get_spec(module)
+    directory = Path(directory)
+    if not directory.is_dir(): raise GradingError(f"{directory} is not a folder")
+    cols = ['learner'] + [f"{spec.key}.{i + 1} {n}" for i, n in enumerate(spec.exercise_names())] + \
+           ['total', 'possible', 'errors', 'notebook', 'seed']
+    old_seed, done = (None, {}) if fresh else _read_gradebook(out, cols)
+    if old_seed is not None and seed is not None and seed != old_seed:
+        raise GradingError(f"{out} was graded with seed {old_seed}; pass --fresh to start over with seed {seed}")
+    prepared = prepare_checks(spec, old_seed if old_seed is not None else seed)
+    todo = [e for e in learners(directory, spec) if e[0] not in done]
+    if progress and done: print(f"resuming {out}: {len(done)} learner(s) already graded, {len(todo)} to go (seed {prepared[0]})")
+    def one(item):
+        who, nbs, problem = item
+        if not nbs: return _row(spec, who, nbs, prepared[0], problem=problem)
+        try: r = grade_notebook(spec, nbs, prepared=prepared, spec_ref=spec_ref, sys_path=sys_path, sandbox=sandbox, **kw)
+        except GradingError as e: return _row(spec, who, nbs, prepared[0], problem=str(e))
+        except Exception as e:  # the gradebook never dies for one learner
+            return _row(spec, who, nbs, prepared[0], problem=f"grader error: {type(e).__name__}: {e}")
+        return _row(spec, who, nbs, prepared[0], r)
+    rows = dict(done)
+    _write_gradebook(out, cols, rows)
+    from tqdm.auto import tqdm
+    with ThreadPoolExecutor(max(1, int(jobs))) as pool:
+        futures = [pool.submit(one, e) for e in todo]
+        for fut in tqdm(as_completed(futures), total=len(futures), desc=f"grading module {spec.key}", disable=not progress):
+            row = fut.result()
+            rows[row['learner']] = row
+            _write_gradebook(out, cols, rows)          # committed: an interrupted run keeps every finished learner
     if progress: print(f"gradebook: {len(rows)} learner(s), fresh seed {prepared[0]}, written to {out}")
     return 0

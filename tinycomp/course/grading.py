@@ -4,11 +4,9 @@
 
 # %% auto #0
 __all__ = ['compare_outputs', 'CaseResult', 'ExerciseResult', 'Report', 'learner_paths', 'where', 'grade_notebook',
-           'format_report']
+           'surviving_seeds', 'format_report']
 
-# %% ../../nbs/98g_grading.ipynb #da8a6790
-import io
-import shutil
+# %% ../../nbs/98g_grading.ipynb #36f35a8f
 import tempfile
 import textwrap
 import time
@@ -19,19 +17,18 @@ import numpy as np
 
 from ..errors import GradingError
 from .notebooks import exported_code, locate, part_name, read_notebook
-from .refs import load_npz, prepare_checks
+from .refs import Job, prepare_checks
 from .runner import DEFAULT_MEM_LIMIT, IMPORT_TIMEOUT, run_jobs
+from .sandbox import remove_tree
 from .spec import Check, ModuleSpec
 
-# %% ../../nbs/98g_grading.ipynb #a83e1580
+# %% ../../nbs/98g_grading.ipynb #26ea5d60
 def _fmt_array(a, idx=None):
     if a.size <= 8: return np.array2string(a, precision=5, separator=', ', threshold=8).replace('\n', ' ')
     return f"{a[idx]!r} at index {idx}" if idx is not None else f"array of shape {a.shape}"
 
-def compare_outputs(expected: dict, got, check: Check) -> tuple:
-    "`(ok, message)` comparing the child's result (`.npz` bytes) with `expected`."
-    try: got = load_npz(io.BytesIO(got))
-    except Exception as e: return False, f"could not read the result ({type(e).__name__}: {str(e)[:200]})"
+def compare_outputs(expected: dict, got: dict, check: Check) -> tuple:
+    "`(ok, message)` comparing the child's result arrays `got` with `expected` (only expected names are looked at)."
     for k, exp in expected.items():
         if k not in got: return False, f"output {k!r} missing"
         g = got[k]
@@ -58,7 +55,7 @@ def compare_outputs(expected: dict, got, check: Check) -> tuple:
                            f"{float(np.max(err)):.3g} ({int(bad.sum())} of {exp.size} entries outside rtol={check.rtol:g}, atol={check.atol:g})")
     return True, ''
 
-# %% ../../nbs/98g_grading.ipynb #0a096df7
+# %% ../../nbs/98g_grading.ipynb #2e480359
 @dataclass
 class CaseResult:
     "One check on one set of inputs."
@@ -87,6 +84,7 @@ class Report:
     exercises: list
     error: str = ''
     elapsed: float = 0.0
+    sandboxed: bool = False
     @property
     def points(self): return sum(e.points for e in self.exercises)
     @property
@@ -96,7 +94,7 @@ class Report:
     def to_json(self) -> dict:
         return {'module': self.module, 'notebooks': [str(n) for n in self.notebooks], 'seed': self.seed,
                 'points': self.points, 'possible': self.possible, 'passed': self.passed, 'error': self.error,
-                'elapsed_s': round(self.elapsed, 3), 'exercises': [asdict(e) for e in self.exercises]}
+                'elapsed_s': round(self.elapsed, 3), 'sandboxed': self.sandboxed, 'exercises': [asdict(e) for e in self.exercises]}
 
 # %% ../../nbs/98g_grading.ipynb #acab90ce
 def learner_paths(spec: ModuleSpec, notebooks) -> list:
@@ -140,7 +138,7 @@ def _case_message(r, exercise, line_map):
     if 'got None instead of an array' in msg: msg = f"`{exercise}` returned None: is a `return` missing?"
     return msg + where(r, line_map)
 
-# %% ../../nbs/98g_grading.ipynb #00c445d9
+# %% ../../nbs/98g_grading.ipynb #5ff54945
 def _exercise_result(number, name, checks, cases, possible):
     earned, fails, statuses = 0.0, [], {}
     for c in checks:
@@ -165,35 +163,66 @@ def _exercise_result(number, name, checks, cases, possible):
             lines.append(f"{x.check} [{x.case} inputs: {_inputs_text(x.inputs)}]: {x.message}{also}")
     return ExerciseResult(number, name, earned, possible, status, '\n'.join(lines), statuses, cases)
 
-def grade_notebook(spec: ModuleSpec, notebooks, seed: int = None, prepared=None, spec_ref: str = None,
-                   sys_path=(), mem_limit=DEFAULT_MEM_LIMIT, import_timeout=IMPORT_TIMEOUT) -> Report:
-    """Grade the learner's `notebooks` (a notebook, a folder or a list) for module `spec`.
-    Raises `GradingError` when there is nothing to grade (no such notebook, not a notebook, no exported code)."""
-    t_start = time.monotonic()
+def _case_result(j, r, line_map) -> CaseResult:
+    "The verdict on job `j` given the child's result `r`."
+    if r['status'] == 'done':
+        if r.get('modified'):
+            names = ', '.join(f"`{m}`" for m in r['modified'])
+            status, msg = 'fail', f"changed its input {names} in place; leave inputs unmodified (work on a copy)"
+        else:
+            ok, msg = compare_outputs(j.expected, r['arrays'], j.check)
+            status = 'pass' if ok else 'fail'
+    elif r['status'] == 'error' and r.get('type') == 'NotImplementedError' and 'Exercise' in r.get('message', ''):
+        status, msg = 'todo', 'not done yet' + where(r, line_map, code=False)
+    else: status, msg = r['status'], _case_message(r, j.check.exercise, line_map)
+    return CaseResult(j.check.name, j.case, status, msg, _describe_inputs(j.inputs))
+
+def _learner_code(spec, notebooks):
+    "`(paths, code, line_map)` of the learner's notebooks for module `spec`."
     paths = learner_paths(spec, notebooks)
     code, line_map = exported_code([(part_name(p), read_notebook(p)) for p in paths], own=spec.reference,
                                    where=', '.join(map(str, paths)))
-    seed, jobs = prepared if prepared is not None else prepare_checks(spec, seed)
-    spec_ref = spec_ref or spec.origin
+    return paths, code, line_map
+
+def _run(spec, code, jobs, spec_ref, **kw) -> dict:
+    "Run `jobs` on `code` in a private scratch folder that is gone afterwards, whatever the code did to it."
     work = Path(tempfile.mkdtemp(prefix=f'tinycomp-grade-{spec.key}-'))
-    try: results = run_jobs(spec, code, jobs, work, spec_ref, sys_path, mem_limit, import_timeout)
-    finally: shutil.rmtree(work, ignore_errors=True)
+    try: return run_jobs(spec, code, jobs, work, spec_ref or spec.origin, **kw)
+    finally: remove_tree(work)
+
+def grade_notebook(spec: ModuleSpec, notebooks, seed: int = None, prepared=None, spec_ref: str = None,
+                   sys_path=(), mem_limit=DEFAULT_MEM_LIMIT, import_timeout=IMPORT_TIMEOUT, sandbox=False) -> Report:
+    """Grade the learner's `notebooks` (a notebook, a folder or a list) for module `spec`, in the OS sandbox if `sandbox`.
+    Raises `GradingError` when there is nothing to grade (no such notebook, not a notebook, no exported code)."""
+    t_start = time.monotonic()
+    paths, code, line_map = _learner_code(spec, notebooks)
+    seed, jobs = prepared if prepared is not None else prepare_checks(spec, seed)
+    results = _run(spec, code, jobs, spec_ref, sys_path=sys_path, mem_limit=mem_limit, import_timeout=import_timeout,
+                   sandbox=sandbox)
     cases = {}
     for j in jobs:
-        r = results.get(j.id, {'status': 'error', 'message': 'not run'})
-        if r['status'] == 'done':
-            ok, msg = compare_outputs(j.expected, r['data'], j.check)
-            status = 'pass' if ok else 'fail'
-        elif r['status'] == 'error' and r.get('type') == 'NotImplementedError' and 'Exercise' in r.get('message', ''):
-            status, msg = 'todo', 'not done yet' + where(r, line_map, code=False)
-        else: status, msg = r['status'], _case_message(r, j.check.exercise, line_map)
-        cases.setdefault(j.check.exercise, []).append(CaseResult(j.check.name, j.case, status, msg, _describe_inputs(j.inputs)))
+        cases.setdefault(j.check.exercise, []).append(_case_result(j, results.get(j.id, {'status': 'error', 'message': 'not run'}), line_map))
     pts = spec.points_by_exercise()
     exercises = [_exercise_result(f"{spec.key}.{i + 1}", n, spec.checks_for(n), cases.get(n, []), pts[n])
                  for i, n in enumerate(spec.exercise_names())]
     err = next((r for r in results.values() if r.get('phase') == 'import'), None)
     error = f"importing your notebook's code failed: {err.get('message', '')}{where(err, line_map)}" if err else ''
-    return Report(spec.key, [str(p) for p in paths], seed, exercises, error, time.monotonic() - t_start)
+    return Report(spec.key, [str(p) for p in paths], seed, exercises, error, time.monotonic() - t_start, sandbox)
+
+# %% ../../nbs/98g_grading.ipynb #e526135a
+def surviving_seeds(spec: ModuleSpec, notebooks, exercise: str, seeds, **kw) -> list:
+    "The seeds among `seeds` under which `notebooks` pass every check of `exercise` (fixed and fresh cases)."
+    _, code, line_map = _learner_code(spec, notebooks)
+    jobs, fixed = [], None
+    for s in seeds:
+        _, js = prepare_checks(spec, s, exercises=[exercise])
+        if fixed is None: fixed = [j for j in js if j.case == 'fixed']; jobs += fixed
+        jobs += [Job(len(jobs), j.check, f'fresh:{s}', j.inputs, j.expected) for j in js if j.case == 'fresh']
+    jobs = [Job(i, j.check, j.case, j.inputs, j.expected) for i, j in enumerate(jobs)]
+    results = _run(spec, code, jobs, None, **kw)
+    passed = {j.id: _case_result(j, results.get(j.id, {'status': 'error'}), line_map).status == 'pass' for j in jobs}
+    if not all(passed[j.id] for j in jobs if j.case == 'fixed'): return []
+    return [s for s in seeds if all(passed[j.id] for j in jobs if j.case == f'fresh:{s}')]
 
 # %% ../../nbs/98g_grading.ipynb #bea23bcc
 def _fmt(x): return f"{x:g}"

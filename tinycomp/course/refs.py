@@ -92,7 +92,7 @@ def refs(check: bool = False, specs=None, keys=None, quiet: bool = False) -> int
     if not quiet: print(f"refs: wrote {written} reference file(s)")
     return 0
 
-# %% ../../nbs/98d_refs.ipynb #71295026
+# %% ../../nbs/98d_refs.ipynb #bb8ebe41
 @dataclass
 class Job:
     "One check on one set of inputs, with the outputs the reference produced."
@@ -102,12 +102,13 @@ class Job:
     inputs: dict
     expected: dict
 
-def prepare_checks(spec: ModuleSpec, seed: int = None) -> tuple:
-    "`(seed, jobs)` for module `spec`: stored fixed cases plus fresh cases from `seed` (random if None)."
+def prepare_checks(spec: ModuleSpec, seed: int = None, exercises=None) -> tuple:
+    "`(seed, jobs)` for module `spec` (or only its `exercises`): stored fixed cases plus fresh cases from `seed` (random if None)."
     seed = secrets.randbits(62) if seed is None else int(seed)
     ref = reference_namespace(spec)
     jobs = []
     for c in spec.checks:
+        if exercises is not None and c.exercise not in exercises: continue
         path = ref_path(spec, c)
         if not path.is_file():
             raise GradingError(f"reference outputs for check {c.id} are missing ({path}); the instructor must run `tinycomp refs`")

@@ -1,0 +1,300 @@
+"""Grading that counts runs learner code in the OS sandbox. Each attack a determined learner tried against the
+unsandboxed grader (issue #9) is rerun here: under the sandbox it gets zero marks or is contained. Where an attack
+is harmless to run without the sandbox, a control run shows it does work there, so these tests can fail."""
+import copy, csv, json, os, signal, subprocess, sys, time, uuid
+from pathlib import Path
+
+
+from tinycomp.course.grading import grade_notebook
+from tinycomp.course.gradebook import grade
+from tinycomp.course.notebooks import read_notebook
+from tinycomp.course.refs import prepare_checks
+from tinycomp.course.spec import get_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = get_spec('01')
+PREPARED = {}
+
+
+def prepared():
+    if 'p' not in PREPARED: PREPARED['p'] = prepare_checks(SPEC, 4242)
+    return PREPARED['p']
+
+
+def student_with(tmp, source):
+    "Module 01's student notebooks with an export cell `source` appended to the last part, written under `tmp`."
+    parts = sorted((ROOT / 'modules' / '01_tensor').glob('*.ipynb'))
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = []
+    for p in parts:
+        nb = read_notebook(p)
+        if p == parts[-1]:
+            nb = copy.deepcopy(nb)
+            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
+                                'source': '#| export\n' + source})
+        (tmp / p.name).write_text(json.dumps(nb)); out.append(tmp / p.name)
+    return out
+
+
+def points(r): return {e.name: e.points for e in r.exercises}
+
+
+def alive(token):
+    "Pids of processes whose command line holds `token`."
+    found = []
+    for d in Path('/proc').iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid(): continue
+        try:
+            if token.encode() in (d / 'cmdline').read_bytes(): found.append(int(d.name))
+        except OSError: pass
+    return found
+
+
+# ---------------------------------------------------------------- reading the solution
+
+EXEC_REFERENCE = r'''
+import glob as _glob, importlib.util as _ilu, json as _json, os as _os, re as _re, sys as _sys, tinycomp as _tc
+_sys.meta_path[:] = [f for f in _sys.meta_path if type(f).__name__ != 'Blocker']        # remove the import blocker
+_found = []
+def _grab(path):
+    try: src = open(path).read()
+    except OSError: return
+    if 'def unbroadcast' not in src and 'class SGD' not in src and 'def cross_entropy' not in src: return
+    src = _re.sub(r'from \.+(\w*)', lambda m: 'from tinycomp.' + m.group(1) if m.group(1) else 'from tinycomp', src)
+    try: exec(src, globals()); _found.append(path)
+    except Exception: pass
+_pkg = _os.path.dirname(_tc.__file__)
+for _f in ('tensor.py', 'nn/functional.py', 'nn/modules.py', 'optim.py'): _grab(_os.path.join(_pkg, _f))
+for _name in ('tinycomp.tensor', 'tinycomp.optim'):
+    try: _grab(_ilu.find_spec(_name).origin)
+    except Exception: pass
+import numpy as _np
+for _p in _glob.glob(_os.path.join(_os.path.dirname(_np.__file__), '..', '**', 'tinycomp', '*.py'), recursive=True): _grab(_p)
+for _nb in _glob.glob(_os.path.join(_pkg, '..', 'nbs', '01*.ipynb')):                  # the solution notebooks
+    try:
+        for _c in _json.load(open(_nb))['cells']:
+            _s = ''.join(_c['source'])
+            if _s.startswith('#| export'): exec(_s, globals())
+    except Exception: pass
+for _name, _f in (('_ref_tensor', 'tensor.py'), ('_ref_optim', 'optim.py')):            # the file under another name
+    try:
+        _spec = _ilu.spec_from_file_location(_name, _os.path.join(_pkg, _f)); _m = _ilu.module_from_spec(_spec)
+        _spec.loader.exec_module(_m); globals().update({k: v for k, v in vars(_m).items() if not k.startswith('__')})
+    except Exception: pass
+try:                                                                                       # an alias package
+    import types as _types
+    _alias = _types.ModuleType('_alias'); _alias.__path__ = [_pkg]; _sys.modules['_alias'] = _alias
+    from _alias.tensor import *
+except Exception: pass
+'''
+
+
+def test_reading_or_importing_the_reference_solution_gains_nothing_in_the_sandbox(sandbox, tmp_path):
+    nbs = student_with(tmp_path / 'a', EXEC_REFERENCE)
+    r = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+    assert r.points == 0, points(r)
+    control = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=False)
+    assert control.points > 0, "the attack should work without the sandbox (else this test proves nothing)"
+
+
+DELEGATE_BY_FRAMES = r'''
+import builtins as _b, gc as _gc, sys as _sys
+_caught = []
+_exec, _imp = _b.exec, _b.__import__
+def _spy_exec(code, g=None, l=None):                              # keep every namespace the grader builds
+    if isinstance(g, dict): _caught.append(g)
+    return _exec(code, g, l)
+def _spy_import(name, g=None, *a, **k):
+    if isinstance(g, dict): _caught.append(g)
+    return _imp(name, g, *a, **k)
+_b.exec, _b.__import__ = _spy_exec, _spy_import
+def _reference(name):
+    f = _sys._getframe(1)
+    while f is not None:                                         # walk up to the child's frames
+        for d in (f.f_locals, f.f_globals):
+            for v in list(d.values()):
+                if isinstance(v, dict) and callable(v.get(name)) and getattr(v[name], '__module__', '') != __name__: return v[name]
+        f = f.f_back
+    for d in _caught:                                            # or in a namespace the spies caught
+        if callable(d.get(name)) and getattr(d[name], '__module__', '') != __name__: return d[name]
+    for o in _gc.get_objects():                                  # or anything the garbage collector knows
+        if getattr(o, '__name__', None) == name and getattr(o, '__module__', None) not in (__name__, None) and callable(o): return o
+    raise RuntimeError('no reference found')
+def unbroadcast(grad, shape): return _reference('unbroadcast')(grad, shape)
+def log_softmax_forward(x, axis=-1): return _reference('log_softmax_forward')(x, axis)
+'''
+
+
+def test_reference_versions_of_other_exercises_cannot_be_reached_from_an_exercise(sandbox, tmp_path):
+    "A child grades one exercise and holds only the reference deps of that exercise, so delegating finds nothing."
+    r = grade_notebook(SPEC, student_with(tmp_path, DELEGATE_BY_FRAMES), prepared=prepared(), sandbox=True)
+    assert points(r)['unbroadcast'] == 0 and points(r)['log_softmax_forward'] == 0
+    assert 'no reference found' in next(e for e in r.exercises if e.name == 'unbroadcast').diagnosis
+
+
+# ---------------------------------------------------------------- what the child can see and touch
+
+PROBE = r'''
+import json as _json, os as _os, socket as _socket, tinycomp as _tc
+_pkg = _os.path.dirname(_tc.__file__)
+def _readable(p):
+    try: return len(open(p, 'rb').read(64)) > 0
+    except OSError: return False
+_graders = [d for d in _os.listdir('/proc') if d.isdigit() and b'tinycomp.cli' in (open(f'/proc/{d}/cmdline', 'rb').read() if _os.access(f'/proc/{d}/cmdline', _os.R_OK) else b'')]
+_seen = {'grader_visible': bool(_graders),
+         'grader_memory': any(_os.access(f'/proc/{d}/mem', _os.R_OK) for d in _graders),
+         'reference_source': _readable(_os.path.join(_pkg, 'tensor.py')),
+         'solution_notebooks': _os.path.exists(_os.path.join(_pkg, '..', 'nbs')),
+         'git_history': _os.path.exists(_os.path.join(_pkg, '..', '.git')),
+         'reference_outputs': bool(_os.path.isdir(_os.path.join(_pkg, 'refs', '01')) and _os.listdir(_os.path.join(_pkg, 'refs', '01'))),
+         'package_writable': _os.access(_os.path.join(_pkg, 'course', 'grading.py'), _os.W_OK),
+         'files_outside_visible': _os.path.exists('OUTSIDE'),
+         'seed_visible': False, 'network': False}
+for _d in _os.listdir('/proc'):
+    if not _d.isdigit(): continue
+    for _f in ('cmdline', 'environ'):
+        try:
+            if b'SEED' in open(f'/proc/{_d}/{_f}', 'rb').read(): _seen['seed_visible'] = True
+        except OSError: pass
+try: _socket.create_connection(('127.0.0.1', PORT), timeout=2).close(); _seen['network'] = True
+except OSError: pass
+raise RuntimeError('PROBE' + _json.dumps(_seen))
+'''
+
+
+def _probe(tmp_path, sandbox_flag):
+    "Run the probe through `tinycomp test` in a subprocess (so a seed is on the grader's command line)."
+    import socket
+    server = socket.socket(); server.bind(('127.0.0.1', 0)); server.listen(1)
+    seed = '987654321987'
+    src = PROBE.replace('SEED', seed).replace('PORT', str(server.getsockname()[1])).replace('OUTSIDE', str(tmp_path))
+    nbs = student_with(tmp_path, src)
+    env = {**os.environ, 'TINYCOMP_HOME': str(tmp_path / 'home')}
+    cmd = [sys.executable, '-m', 'tinycomp.cli', 'test', '01', '--notebook', *map(str, nbs), '--seed', seed,
+           '--json', str(tmp_path / 'r.json')] + ([] if sandbox_flag else ['--no-sandbox'])
+    try: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally: server.close()
+    error = json.loads((tmp_path / 'r.json').read_text())['error']
+    return json.loads(error[error.index('PROBE') + 5:].split('}')[0] + '}')
+
+
+def test_the_sandboxed_child_sees_no_solution_no_grader_no_seed_and_no_network(sandbox, tmp_path):
+    seen = _probe(tmp_path / 'in', True)
+    assert not any(seen.values()), seen
+    control = _probe(tmp_path / 'out', False)
+    assert control['grader_visible'] and control['grader_memory'] and control['reference_source'] and control['seed_visible'], control
+    assert control['network'] and control['files_outside_visible'], control
+
+
+def test_the_package_cannot_be_changed_from_the_sandbox(sandbox, tmp_path):
+    target = ROOT / 'tinycomp' / 'course' / 'grading.py'
+    before = target.read_bytes()
+    attack = f"try: open({str(target)!r}, 'a').write('\\n_c = None  # pwned\\n')\nexcept OSError as e: raise RuntimeError('write refused: ' + str(e))"
+    r = grade_notebook(SPEC, student_with(tmp_path, attack), prepared=prepared(), sandbox=True)
+    assert target.read_bytes() == before and 'write refused' in r.error and r.points == 0
+
+
+# ---------------------------------------------------------------- processes and memory
+
+def test_daemons_die_with_the_sandbox(sandbox, tmp_path):
+    token, target = f"tinycomp-daemon-{uuid.uuid4().hex}", tmp_path / 'pwned.txt'
+    daemon = (f"import subprocess as _sp, sys as _sys\n"
+              f"for _ in range(5): _sp.Popen([_sys.executable, '-c', 'import time; time.sleep(2); open({str(target)!r}, \"w\").write(\"x\")', "
+              f"'{token}'], start_new_session=True)")
+    r = grade_notebook(SPEC, student_with(tmp_path / 'nb', daemon), prepared=prepared(), sandbox=True)
+    assert r.points == 0 and alive(token) == []           # every process the learner started is gone at once
+    time.sleep(3)
+    assert not target.exists()
+
+
+def test_memory_is_limited_for_the_whole_process_tree(tree_limit, tmp_path):
+    "Twelve children of 300 MiB each cannot all live: the tree shares one budget (TREE_MEMORY, 2 GiB)."
+    from tinycomp.course.runner import TREE_MEMORY
+    token = f"tinycomp-hog-{uuid.uuid4().hex}"
+    hogs = (f"import subprocess as _sp, sys as _sys, time as _t\n"
+            f"_kids = [_sp.Popen([_sys.executable, '-c', 'import numpy as np, time; a = np.ones(300 << 20, np.uint8); time.sleep(60)', "
+            f"'{token}'], start_new_session=True) for _ in range(12)]\n"
+            f"_t.sleep(6)\n"
+            f"raise RuntimeError(f'HOGS {{sum(k.poll() is None for k in _kids)}} of 12 alive')")
+    r = grade_notebook(SPEC, student_with(tmp_path, hogs), prepared=prepared(), sandbox=True, import_timeout=60)
+    assert r.points == 0 and alive(token) == []
+    if 'HOGS' in r.error:
+        n = int(r.error.split('HOGS ')[1].split()[0])
+        assert n * (300 << 20) < TREE_MEMORY, r.error
+    else: assert 'ran out of memory' in r.error, r.error           # the importing process itself was the one stopped
+
+
+def test_killing_everything_in_sight_only_kills_the_sandbox(sandbox, tmp_path):
+    "A learner who kills the grader (or every process it can see) loses its own grading, nobody else's row."
+    d = tmp_path / 'class'; d.mkdir()
+    good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
+    for who in ('alice', 'zed'):
+        (d / who).mkdir()
+        for p in good: (d / who / p.name).write_text(p.read_text())
+    killer = student_with(d / 'mallory', "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)\n_os.kill(-1, _sig.SIGKILL)")
+    assert killer
+    out = tmp_path / 'gradebook.csv'
+    import tempfile
+    scratch = lambda: {p.name for p in Path(tempfile.gettempdir()).glob('tinycomp-grade-*')}
+    before = scratch()
+    assert grade(d, '01', out, seed=5, progress=False, sandbox=True) == 0
+    assert scratch() == before                                   # no scratch folder left behind
+    rows = {r['learner']: r for r in csv.DictReader(out.open())}
+    assert float(rows['alice']['total']) == float(rows['zed']['total']) == SPEC.possible
+    assert float(rows['mallory']['total']) == 0 and rows['mallory']['errors']
+
+
+def test_an_interrupted_gradebook_keeps_its_rows_and_resumes(tmp_path):
+    "Without the sandbox a learner can kill the grader; every row finished before is kept, and a rerun resumes."
+    d = tmp_path / 'class'; d.mkdir()
+    good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
+    for who in ('alice', 'bob'):
+        (d / who).mkdir()
+        for p in good: (d / who / p.name).write_text(p.read_text())
+    student_with(d / 'mallory', "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)")
+    out = tmp_path / 'gradebook.csv'
+    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out', str(out), '--no-sandbox', '--seed', '9']
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == -signal.SIGKILL and 'not tamper-proof' in r.stderr
+    rows = {r['learner']: r for r in csv.DictReader(out.open())}
+    assert set(rows) == {'alice', 'bob'} and all(float(x['total']) == SPEC.possible for x in rows.values())
+    import shutil; shutil.rmtree(d / 'mallory'); (d / 'carol').mkdir()
+    for p in good: (d / 'carol' / p.name).write_text(p.read_text())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and 'resuming' in r.stdout and '2 learner(s) already graded, 1 to go (seed 9)' in r.stdout
+    rows2 = {r['learner']: r for r in csv.DictReader(out.open())}
+    assert set(rows2) == {'alice', 'bob', 'carol'} and rows2['alice'] == rows['alice']
+    r = subprocess.run(cmd[:-2] + ['--seed', '10'], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 2 and 'was graded with seed 9' in r.stderr
+
+
+# ---------------------------------------------------------------- what the child sends back
+
+def test_huge_or_forged_results_are_refused_without_allocating(sandbox, tmp_path):
+    import resource
+    forge = r'''
+import json as _json, os as _os, struct as _st, sys as _sys
+def unbroadcast(grad, shape):
+    import numpy as _np
+    return _np.zeros(200 << 20, _np.uint8)                          # a 200 MiB result
+def add_backward(grad, a_shape, b_shape):                            # a forged message: a huge array, no data
+    h = _json.dumps({'event': 'result', 'job': JOB, 'arrays': [{'name': 'ga', 'dtype': '<f8', 'shape': [1 << 40]}]}).encode()
+    _os.write(int(_sys.argv[2]), _st.pack('>II', len(h), 0) + h)
+    raise SystemExit
+'''
+    spec_jobs = prepared()[1]
+    job = next(j.id for j in spec_jobs if j.check.exercise == 'add_backward')
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = grade_notebook(SPEC, student_with(tmp_path, forge.replace('JOB', str(job))), prepared=prepared(), sandbox=True)
+    by = {e.name: e for e in r.exercises}
+    assert by['unbroadcast'].points == 0 and 'the limit is 64 MiB' in by['unbroadcast'].diagnosis
+    assert by['add_backward'].points == 0 and any('bigger than the data sent' in c.message for c in by['add_backward'].cases)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 150 << 10     # KiB: the parent never held 200 MiB
+
+
+def test_the_sandbox_costs_little(sandbox, capsys):
+    "Not a timing assertion: `tinycomp sandbox --bench` runs and reports the cost (the closing note quotes it)."
+    from tinycomp.course.cli import sandbox_command
+    assert sandbox_command('01', repeats=1) == 0
+    out = capsys.readouterr().out
+    assert 'sandbox cost:' in out and 'in the sandbox: median' in out
