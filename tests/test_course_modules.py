@@ -253,3 +253,24 @@ def test_delegating_to_the_reference_through_the_grader_gains_nothing(tmp_path):
     r = grade_notebook(spec, _student_with_cell(tmp_path, '01', DELEGATE), prepared=_prepared('01'))
     assert points(r)['cross_entropy'] == 0, r.exercises
     assert 'no reference found' in next(e for e in r.exercises if e.name == 'cross_entropy').diagnosis
+
+
+SEEDS = range(20)
+
+
+@pytest.mark.parametrize('key,exercise,i,old,new', _mutants(), ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)
+def test_mutant_is_caught_under_every_seed(key, exercise, i, old, new, tmp_path):
+    "A check must catch its bug whatever the seed: every mutant fails its exercise under each of 20 seeds."
+    from tinycomp.course.grading import surviving_seeds
+    index, nb = part_of(key, exercise)
+    parts = with_part(tmp_path, solution_parts(key), index, mutant_notebook(nb, exercise, old, new))
+    assert surviving_seeds(get_spec(key), parts, exercise, SEEDS) == []
+
+
+@pytest.mark.parametrize('key', KEYS)
+def test_the_solution_survives_every_seed(key):
+    "The other side: the solutions pass under all those seeds (so a killed mutant is the mutant's fault)."
+    from tinycomp.course.grading import surviving_seeds
+    spec = get_spec(key)
+    for exercise in spec.exercise_names():
+        assert surviving_seeds(spec, solution_parts(key), exercise, SEEDS) == list(SEEDS), exercise

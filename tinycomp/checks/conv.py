@@ -10,7 +10,7 @@ import numpy as np
 
 from ..course.spec import Check, ModuleSpec, arr, f32
 
-# %% ../../nbs/checks/02_conv.ipynb #ec8bfc52
+# %% ../../nbs/checks/02_conv.ipynb #00815074
 def _conv_geometry(kind, rng):
     "(x shape, weight shape, stride, padding, dilation, groups) for a named kind of convolution."
     r = lambda a, b: int(rng.integers(a, b))
@@ -26,7 +26,7 @@ def _conv_geometry(kind, rng):
         kh, kw = (2, 3) if rng.random() < 0.5 else (3, 2)
         return (n, c, h + 4, w + 4), (cout, c, kh, kw), (r(1, 3), 1), (r(0, 2), 1), (2, r(2, 4)), 1
     if kind == 'groups':
-        g = 2; cg = r(1, 3); cog = r(1, 3)
+        g = 2; cg = r(2, 4); cog = r(2, 4)        # Cin/groups > 1 and Cout != groups: a wrong group index shows
         return (n, g * cg, h, w), (g * cog, cg, kh, kw), (1, 2), (1, 0), (1, 1), g
     if kind == 'depthwise': return (n, c, h, w), (c, 1, 3, 3), (1, 1), (1, 1), (1, 1), c
     raise ValueError(kind)
@@ -97,22 +97,22 @@ def _run_pool_back(ns, i):
     return {'dx': arr(ns.max_pool2d_backward(np.ascontiguousarray(i['grad_out']), np.ascontiguousarray(i['indices']),
                                              int(i['height']), int(i['width'])))}
 
-# %% ../../nbs/checks/02_conv.ipynb #e2aeb1cb
+# %% ../../nbs/checks/02_conv.ipynb #fb250c79
 MODULE = ModuleSpec('02', 'conv', reference=('tinycomp.conv',), checks=[
-    Check('conv2d_naive', 'bias', 1.5, _naive_inputs('basic'), _run_naive, timeout=20),
-    Check('conv2d_naive', 'stride_padding', 1.5, _naive_inputs('strided'), _run_naive, timeout=20),
+    Check('conv2d_naive', 'bias', 1.5, _naive_inputs('basic'), _run_naive, timeout=20, exact_dtype=True),
+    Check('conv2d_naive', 'stride_padding', 1.5, _naive_inputs('strided'), _run_naive, timeout=20, exact_dtype=True),
     Check('im2col', 'basic', 1, _im2col_inputs('basic'), _run_im2col),
     Check('im2col', 'stride_padding', 1, _im2col_inputs('strided'), _run_im2col),
     Check('im2col', 'keeps_float64', 1, _im2col_inputs('float64'), _run_im2col, exact_dtype=True),
-    Check('conv2d_direct_kernel', 'basic', 1, _kernel_inputs('basic'), _run_direct, timeout=60),
-    Check('conv2d_direct_kernel', 'strided_padded', 1, _kernel_inputs('strided'), _run_direct, timeout=30),
-    Check('conv2d_direct_kernel', 'dilated', 1, _kernel_inputs('dilated'), _run_direct, timeout=30),
-    Check('conv2d_direct_kernel', 'groups', 1, _kernel_inputs('groups'), _run_direct, timeout=30),
-    Check('conv2d_direct_kernel', 'depthwise', 1, _kernel_inputs('depthwise'), _run_direct, timeout=30),
-    Check('conv2d_weight_grad_kernel', 'basic', 1, _kernel_inputs('basic', True), _run_wgrad, timeout=60),
-    Check('conv2d_weight_grad_kernel', 'strided_padded', 1, _kernel_inputs('strided', True), _run_wgrad, timeout=30),
-    Check('conv2d_weight_grad_kernel', 'dilated', 1, _kernel_inputs('dilated', True), _run_wgrad, timeout=30),
-    Check('conv2d_weight_grad_kernel', 'groups', 1, _kernel_inputs('groups', True), _run_wgrad, timeout=30),
-    Check('max_pool2d_backward', 'windows', 1, _pool_back_inputs('windows'), _run_pool_back, timeout=60),
-    Check('max_pool2d_backward', 'overlapping', 2, _pool_back_inputs('overlapping'), _run_pool_back, timeout=30),
+    Check('conv2d_direct_kernel', 'basic', 1, _kernel_inputs('basic'), _run_direct, timeout=60, exact_dtype=True),
+    Check('conv2d_direct_kernel', 'strided_padded', 1, _kernel_inputs('strided'), _run_direct, timeout=30, exact_dtype=True),
+    Check('conv2d_direct_kernel', 'dilated', 1, _kernel_inputs('dilated'), _run_direct, timeout=30, exact_dtype=True),
+    Check('conv2d_direct_kernel', 'groups', 1, _kernel_inputs('groups'), _run_direct, timeout=30, exact_dtype=True),
+    Check('conv2d_direct_kernel', 'depthwise', 1, _kernel_inputs('depthwise'), _run_direct, timeout=30, exact_dtype=True),
+    Check('conv2d_weight_grad_kernel', 'basic', 1, _kernel_inputs('basic', True), _run_wgrad, timeout=60, exact_dtype=True),
+    Check('conv2d_weight_grad_kernel', 'strided_padded', 1, _kernel_inputs('strided', True), _run_wgrad, timeout=30, exact_dtype=True),
+    Check('conv2d_weight_grad_kernel', 'dilated', 1, _kernel_inputs('dilated', True), _run_wgrad, timeout=30, exact_dtype=True),
+    Check('conv2d_weight_grad_kernel', 'groups', 1, _kernel_inputs('groups', True), _run_wgrad, timeout=30, exact_dtype=True),
+    Check('max_pool2d_backward', 'windows', 1, _pool_back_inputs('windows'), _run_pool_back, timeout=60, exact_dtype=True),
+    Check('max_pool2d_backward', 'overlapping', 2, _pool_back_inputs('overlapping'), _run_pool_back, timeout=30, exact_dtype=True),
 ])

@@ -10,17 +10,19 @@ import numpy as np
 
 from ..course.spec import Check, ModuleSpec, arr, f32, shape_of
 
-# %% ../../nbs/checks/01_tensor.ipynb #b4ffe175
+# %% ../../nbs/checks/01_tensor.ipynb #e8891757
 def broadcast_pair(rng, ndim_max=3):
-    "Two broadcast-compatible shapes (a, b) and their broadcast shape, with stretched axes of size 1 and missing leading axes."
-    nd = int(rng.integers(1, ndim_max + 1))
-    out = [int(rng.integers(2, 5)) for _ in range(nd)]
-    def squash():
-        s = [1 if rng.random() < 0.4 else n for n in out]
-        drop = int(rng.integers(0, nd))
-        return tuple(s[drop:])
-    a, b = squash(), squash()
-    return a, b, tuple(out)
+    """Two broadcast-compatible shapes `(a, b)` and their broadcast shape, with stretched axes of size 1 and missing
+    leading axes. Always `a != b`, so a gradient given to the wrong operand, or not summed back, has the wrong shape."""
+    while True:
+        nd = int(rng.integers(1, ndim_max + 1))
+        out = [int(rng.integers(2, 5)) for _ in range(nd)]
+        def squash():
+            s = [1 if rng.random() < 0.4 else n for n in out]
+            drop = int(rng.integers(0, nd))
+            return tuple(s[drop:])
+        a, b = squash(), squash()
+        if a != b: return a, b, tuple(out)
 
 # %% ../../nbs/checks/01_tensor.ipynb #1f346d80
 def _unbroadcast_inputs(kind):
@@ -136,7 +138,7 @@ def _run_linear(ns, i):
     if bias: out['db'] = arr(b.grad)
     return out
 
-# %% ../../nbs/checks/01_tensor.ipynb #130e82e4
+# %% ../../nbs/checks/01_tensor.ipynb #ee1005c2
 def _opt_inputs(kind):
     def make(rng):
         steps = 4
@@ -155,13 +157,20 @@ def _opt_inputs(kind):
     return make
 
 def _run_opt(ns, i, make_opt):
+    """Four steps; returns the parameters, the gradient arrays as the optimizer left them (it must not change them)
+    and, for SGD with momentum, the velocities (which must keep the parameters' float32)."""
     p1, p2 = ns.Parameter(i['w1'].copy()), ns.Parameter(i['w2'].copy())
     opt = make_opt(ns, [p1, p2], i)
+    given = {'g1': np.zeros_like(i['g1']), 'g2': np.zeros_like(i['g2'])}
     for t in range(i['g1'].shape[0]):
-        p1.grad = i['g1'][t].copy() if i['has_grad'][t, 0] else None
-        p2.grad = i['g2'][t].copy() if i['has_grad'][t, 1] else None
+        grads = {k: i[k][t].copy() if i['has_grad'][t, n] else None for n, k in enumerate(('g1', 'g2'))}
+        p1.grad, p2.grad = grads['g1'], grads['g2']
         opt.step()
-    return {'w1': arr(p1.data), 'w2': arr(p2.data)}
+        for k, g in grads.items():
+            if g is not None: given[k][t] = g
+    out = {'w1': arr(p1.data), 'w2': arr(p2.data), 'g1_after': given['g1'], 'g2_after': given['g2']}
+    if getattr(opt, 'momentum', 0): out.update(v1=arr(opt.velocities[0]), v2=arr(opt.velocities[1]))
+    return out
 
 def _run_sgd(ns, i):
     return _run_opt(ns, i, lambda ns, ps, i: ns.SGD(ps, lr=float(i['lr']), momentum=float(i['momentum']),
@@ -171,7 +180,7 @@ def _run_adam(ns, i):
     return _run_opt(ns, i, lambda ns, ps, i: ns.Adam(ps, lr=float(i['lr']), betas=(float(i['b1']), float(i['b2'])),
                                                       eps=float(i['eps']), weight_decay=float(i['weight_decay'])))
 
-# %% ../../nbs/checks/01_tensor.ipynb #9f0f94f9
+# %% ../../nbs/checks/01_tensor.ipynb #62ccd40e
 MODULE = ModuleSpec('01', 'tensor', reference=('tinycomp.tensor', 'tinycomp.nn.functional', 'tinycomp.nn.modules', 'tinycomp.optim'), checks=[
     Check('unbroadcast', 'same_shape', 0.5, _unbroadcast_inputs('same'), _run_unbroadcast),
     Check('unbroadcast', 'leading_axes', 1, _unbroadcast_inputs('leading'), _run_unbroadcast),
@@ -194,9 +203,9 @@ MODULE = ModuleSpec('01', 'tensor', reference=('tinycomp.tensor', 'tinycomp.nn.f
     Check('cross_entropy', 'reductions_and_grad', 3, _ce_inputs, _run_ce, deps=_PURE_01),
     Check('linear', 'with_bias', 2, _linear_inputs(True), _run_linear, deps=_PURE_01),
     Check('linear', 'no_bias_3d', 1, _linear_inputs(False), _run_linear, deps=_PURE_01),
-    Check('SGD.step', 'plain', 1, _opt_inputs('sgd'), _run_sgd),
-    Check('SGD.step', 'momentum', 1, _opt_inputs('momentum'), _run_sgd),
-    Check('SGD.step', 'nesterov_weight_decay', 1, _opt_inputs('nesterov'), _run_sgd),
-    Check('Adam.step', 'default', 1.5, _opt_inputs('adam'), _run_adam),
-    Check('Adam.step', 'weight_decay', 1.5, _opt_inputs('adam_wd'), _run_adam),
+    Check('SGD.step', 'plain', 1, _opt_inputs('sgd'), _run_sgd, exact_dtype=True),
+    Check('SGD.step', 'momentum', 1, _opt_inputs('momentum'), _run_sgd, exact_dtype=True),
+    Check('SGD.step', 'nesterov_weight_decay', 1, _opt_inputs('nesterov'), _run_sgd, exact_dtype=True),
+    Check('Adam.step', 'default', 1.5, _opt_inputs('adam'), _run_adam, exact_dtype=True),
+    Check('Adam.step', 'weight_decay', 1.5, _opt_inputs('adam_wd'), _run_adam, exact_dtype=True),
 ])
