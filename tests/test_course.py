@@ -426,3 +426,9 @@ def test_the_learners_folder_is_graded_by_default(monkeypatch, tmp_path, capsys)
     status(root=root)
     out = capsys.readouterr().out
     assert '01 tensor' in out and '01.1' in out and 'unbroadcast' in out
+
+
+def test_changing_an_input_in_place_is_a_failure(demo, prepared, tmp_path):
+    cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    x *= 2.0\n    return x')
+    e = grade_cells(demo, prepared, tmp_path, cells).exercises[0]
+    assert e.points == 0 and 'changed its input `x` in place' in e.diagnosis
