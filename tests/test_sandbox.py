@@ -39,6 +39,16 @@ def student_with(tmp, source):
 def points(r): return {e.name: e.points for e in r.exercises}
 
 
+def class_folder(tmp_path, good_learners, killer_code):
+    "A class folder: learners handing in module 01's solutions, and `mallory`, whose notebook runs `killer_code`."
+    d = tmp_path / 'class'; d.mkdir()
+    for who in good_learners:
+        (d / who).mkdir()
+        for p in sorted((ROOT / 'nbs').glob('01?_*.ipynb')): (d / who / p.name).write_text(p.read_text())
+    student_with(d / 'mallory', killer_code)
+    return d
+
+
 def alive(token):
     "Pids of processes whose command line holds `token`."
     found = []
@@ -226,13 +236,7 @@ def test_memory_is_limited_for_the_whole_process_tree(tree_limit, tmp_path):
 
 def test_killing_everything_in_sight_only_kills_the_sandbox(sandbox, tmp_path):
     "A learner who kills the grader (or every process it can see) loses its own grading, nobody else's row."
-    d = tmp_path / 'class'; d.mkdir()
-    good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
-    for who in ('alice', 'zed'):
-        (d / who).mkdir()
-        for p in good: (d / who / p.name).write_text(p.read_text())
-    killer = student_with(d / 'mallory', "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)\n_os.kill(-1, _sig.SIGKILL)")
-    assert killer
+    d = class_folder(tmp_path, ('alice', 'zed'), "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)\n_os.kill(-1, _sig.SIGKILL)")
     out = tmp_path / 'gradebook.csv'
     import tempfile
     scratch = lambda: {p.name for p in Path(tempfile.gettempdir()).glob('tinycomp-grade-*')}
@@ -246,12 +250,8 @@ def test_killing_everything_in_sight_only_kills_the_sandbox(sandbox, tmp_path):
 
 def test_an_interrupted_gradebook_keeps_its_rows_and_resumes(tmp_path):
     "Without the sandbox a learner can kill the grader; every row finished before is kept, and a rerun resumes."
-    d = tmp_path / 'class'; d.mkdir()
+    d = class_folder(tmp_path, ('alice', 'bob'), "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)")
     good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
-    for who in ('alice', 'bob'):
-        (d / who).mkdir()
-        for p in good: (d / who / p.name).write_text(p.read_text())
-    student_with(d / 'mallory', "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)")
     out = tmp_path / 'gradebook.csv'
     cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out', str(out), '--no-sandbox', '--seed', '9']
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
