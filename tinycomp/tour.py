@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import tinycomp
-from .bench import set_threads, thread_info, threads_arg, time_fn
 from .data import load_digits
 from .errors import TinycompError
 from .io import save
 from .models import (count_parameters, digits_split_sizes, evaluate, load_pretrained, plot_history,
                              pretrained_info, train_reference)
+from .profiling.timing import set_threads, thread_info, threads_arg, time_fn
 from .tensor import Tensor, no_grad
 
 # %% ../nbs/97a_tour.ipynb #4dbbcffb

@@ -25,7 +25,7 @@ class Parameter(Tensor):
 
     def __repr__(self): return 'Parameter containing:\n' + super().__repr__()
 
-# %% ../../nbs/01c_nn.ipynb #843e517b
+# %% ../../nbs/01c_nn.ipynb #9387fa15
 class Module:
     "Base class of layers and models: tracks parameters, buffers and submodules."
     def __init__(self):
@@ -68,14 +68,17 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         "Run the forward pre-hooks, `forward`, then the forward hooks (see below)."
-        pre, post = self.__dict__.get('_forward_pre_hooks'), self.__dict__.get('_forward_hooks')
-        for hook in list(pre.values()) if pre else ():
-            changed = hook(self, args)
-            if changed is not None: args = changed if isinstance(changed, tuple) else (changed,)
+        d = self.__dict__
+        pre, post = d.get('_forward_pre_hooks'), d.get('_forward_hooks')
+        if pre:
+            for hook in tuple(pre.values()):          # a copy: a hook may remove itself
+                changed = hook(self, args)
+                if changed is not None: args = changed if isinstance(changed, tuple) else (changed,)
         out = self.forward(*args, **kwargs)
-        for hook in list(post.values()) if post else ():
-            changed = hook(self, args, out)
-            if changed is not None: out = changed
+        if post:
+            for hook in tuple(post.values()):
+                changed = hook(self, args, out)
+                if changed is not None: out = changed
         return out
 
     def config(self) -> dict:
