@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import tinycomp
-from tinycomp.bench import threads_arg, usable_cores
 from tinycomp.cli import build_parser, command_modules, main
 from tinycomp.models import MODELS
+from tinycomp.profiling.timing import threads_arg, usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_every_add_cli_module_is_found_and_registered():
         alone = argparse.ArgumentParser()
         module.add_cli(alone.add_subparsers())
         assert set(commands(alone)) <= set(registered), module.__name__
-    assert list(registered)[:3] == ['tour', 'bench', 'train']  # CLI_ORDER: tour, measuring, training, course
+    assert list(registered)[:4] == ['tour', 'bench', 'profile', 'train']  # CLI_ORDER: tour, measuring, profiling, training, course
 
 
 def test_commands_live_where_they_belong():

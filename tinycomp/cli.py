@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DEFAULT_CLI_ORDER', 'command_modules', 'build_parser', 'main']
 
-# %% ../nbs/99_cli.ipynb #fd21725c
+# %% ../nbs/99_cli.ipynb #8c38baea
 import argparse
 import importlib
 import pkgutil
@@ -15,7 +15,7 @@ import sys
 import tinycomp
 from .errors import TinycompError
 
-# %% ../nbs/99_cli.ipynb #063ad1b6
+# %% ../nbs/99_cli.ipynb #e15a5b8d
 _ADD_CLI = re.compile(r'^def add_cli\s*\(', re.M)
 DEFAULT_CLI_ORDER = 50
 
@@ -50,7 +50,7 @@ def command_modules(scan_source=True) -> list:
         if callable(add_cli) and getattr(add_cli, '__module__', name) == name: found.append(module)  # not a re-export
     return sorted(found, key=lambda m: (getattr(m, 'CLI_ORDER', DEFAULT_CLI_ORDER), m.__name__))
 
-# %% ../nbs/99_cli.ipynb #1c6c89ba
+# %% ../nbs/99_cli.ipynb #4929c530
 def build_parser() -> argparse.ArgumentParser:
     "The `tinycomp` argument parser with the subcommands of every module that defines `add_cli`."
     parser = argparse.ArgumentParser(
@@ -80,6 +80,6 @@ def main(argv=None) -> int:
         return 130
     return code if isinstance(code, int) and not isinstance(code, bool) else 0
 
-# %% ../nbs/99_cli.ipynb #dee0e951
+# %% ../nbs/99_cli.ipynb #3a627a64
 #| eval: false
 if __name__ == '__main__': sys.exit(main())
