@@ -148,11 +148,15 @@ def _npy_header(path, zf, name):
                     "truncated or corrupt") from None
     return shape, dtype
 
-# %% ../nbs/93_io.ipynb #ce767160
+# %% ../nbs/93_io.ipynb #edb867cf
 def read_manifest(path) -> tuple[dict, dict]:
     "Validate the model file at `path` without building a model; return (manifest, arrays)."
     path = Path(path)
     if not path.is_file(): raise ModelFileError(f"no model file at {path}")
+    with open(path, 'rb') as f: magic = f.read(6)
+    if magic == b'\x93NUMPY': raise _fail(path, "this is a single .npy array, not a .npz model file")
+    if not magic.startswith(b'PK'):               # np.load would take anything else for a pickle
+        raise _fail(path, "not a .npz model file (not a zip archive); save models with tinycomp.io.save")
     try: npz = np.load(path, allow_pickle=False)
     except Exception as e:  # not a zip, truncated zip, pickle data, ...
         raise _fail(path, f"not a readable .npz model file ({type(e).__name__}: {e}); it is truncated or "
