@@ -6,16 +6,13 @@
 __all__ = ['softmax_with_temperature', 'kd_loss', 'kd_loss_grad', 'hint_regressor', 'hint_loss', 'relation_loss',
            'cache_teacher_logits', 'tiny_cnn', 'distill', 'train_student', 'paired_summary']
 
-# %% ../nbs/06_distillation.ipynb #71d677df
-import time
-
+# %% ../nbs/06_distillation.ipynb #25925a64
 import numpy as np
-from tqdm.auto import tqdm
 
 from .conv import Conv2d, MaxPool2d
 from .data import DataLoader, load_digits
 from .errors import TinycompError
-from .models import Evaluation, evaluate, fit
+from .models import fit, train_epochs
 from .nn.functional import _check_labels, cross_entropy, mse_loss
 from .nn.modules import Flatten, Linear, ReLU, Sequential
 from .optim import Adam, CosineAnnealingLR
@@ -232,7 +229,7 @@ def _probe(model, xb, layer_names):
         for h in handles: h.remove()
     return out, seen
 
-# %% ../nbs/06_distillation.ipynb #559d322d
+# %% ../nbs/06_distillation.ipynb #0e7ca259
 def distill(teacher, student, train_loader, val_loader=None, epochs=10, T=4.0, alpha=0.5, optimizer=None,
             scheduler=None, feature_pairs=None, beta=1.0, progress=True, teacher_logits=None) -> dict:
     """Train `student` to match `teacher` (kept in eval mode, under `no_grad`) with `kd_loss`, plus `beta` * `hint_loss`
@@ -272,54 +269,32 @@ def distill(teacher, student, train_loader, val_loader=None, epochs=10, T=4.0, a
     for k, (s, t) in enumerate(pairs):
         handles.append(s_layers[s].register_forward_hook(lambda m, a, o, k=k: feats.__setitem__(('s', k), o)))
         handles.append(t_layers[t].register_forward_hook(lambda m, a, o, k=k: feats.__setitem__(('t', k), o)))
-    history = {k: [] for k in ('epoch', 'train_loss', 'train_acc', 'val_loss', 'val_acc', 'lr', 'seconds', 'hint_loss')}
-    history['regressors'] = regressors
+    def step(batch):
+        xb, yb, zt = batch
+        x = Tensor(xb)
+        if zt is None or pairs:
+            with no_grad(): t_logits = teacher(x)
+            if zt is None: zt = t_logits.data
+        logits = student(x)
+        loss, hint = kd_loss(logits, zt, yb, T, alpha), 0.0
+        if pairs:
+            hint = hint_loss(feats[('s', 0)], feats[('t', 0)], regressors[0])
+            for k in range(1, len(pairs)): hint = hint + hint_loss(feats[('s', k)], feats[('t', k)], regressors[k])
+            loss, hint = loss + beta * hint, hint.item()
+        return loss, logits, yb, {'hint_loss': hint}
+    def epoch_start():
+        for r in regressors: r.train()
+        if reg_opt is not None: reg_opt.lr = optimizer.lr
     teacher_was_training = teacher.training
     teacher.eval()
-    bar = tqdm(range(1, epochs + 1), desc='distilling', unit='epoch', disable=not progress, leave=False)
     try:
-        for epoch in bar:
-            student.train()
-            for r in regressors: r.train()
-            if reg_opt is not None: reg_opt.lr = optimizer.lr
-            start, total_loss, total_hint, correct, count = time.perf_counter(), 0.0, 0.0, 0, 0
-            for xb, yb, zt in batches():
-                x = Tensor(xb)
-                if zt is None or pairs:
-                    with no_grad(): t_logits = teacher(x)
-                    if zt is None: zt = t_logits.data
-                logits = student(x)
-                loss = kd_loss(logits, zt, yb, T, alpha)
-                if pairs:
-                    hint = hint_loss(feats[('s', 0)], feats[('t', 0)], regressors[0])
-                    for k in range(1, len(pairs)): hint = hint + hint_loss(feats[('s', k)], feats[('t', k)], regressors[k])
-                    loss = loss + beta * hint
-                    total_hint += hint.item() * len(yb)
-                optimizer.zero_grad()
-                if reg_opt is not None: reg_opt.zero_grad()
-                loss.backward()
-                optimizer.step()
-                if reg_opt is not None: reg_opt.step()
-                total_loss += loss.item() * len(yb)
-                correct += int((logits.data.argmax(1) == yb).sum())
-                count += len(yb)
-            if not np.isfinite(total_loss):
-                raise TinycompError(f"distillation diverged at epoch {epoch} (loss is {total_loss}); lower the learning rate")
-            history['epoch'].append(epoch)
-            history['lr'].append(optimizer.lr)
-            if scheduler is not None: scheduler.step()
-            history['seconds'].append(time.perf_counter() - start)
-            history['train_loss'].append(total_loss / count)
-            history['hint_loss'].append(total_hint / count)
-            history['train_acc'].append(correct / count)
-            val = evaluate(student, val_loader) if val_loader is not None else Evaluation(float('nan'), float('nan'))
-            history['val_loss'].append(val.loss)
-            history['val_acc'].append(val.accuracy)
-            bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", val_acc=f"{val.accuracy:.3f}")
+        history = train_epochs(student, batches, step, [optimizer] + ([reg_opt] if reg_opt is not None else []), val_loader,
+                               epochs, scheduler, progress=progress, desc='distilling', extra_losses=('hint_loss',),
+                               on_epoch_start=epoch_start)
     finally:
         teacher.train(teacher_was_training)
         for h in handles: h.remove()
-    return history
+    return history | {'regressors': regressors}
 
 # %% ../nbs/06_distillation.ipynb #f6012993
 def train_student(make_student, seed, teacher=None, T=4.0, alpha=0.5, epochs=15, lr=1e-2, batch_size=64,

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['MODELS', 'Evaluation', 'RECIPES', 'PRETRAINED_DIR', 'CLI_ORDER', 'digits_cnn', 'digits_cnn_wide', 'count_parameters',
-           'evaluate', 'fit', 'train_reference', 'pretrained_path', 'load_pretrained', 'pretrained_info',
-           'save_pretrained', 'digits_split_sizes', 'plot_history', 'train_command', 'add_cli']
+           'evaluate', 'train_epochs', 'fit', 'train_reference', 'pretrained_path', 'load_pretrained',
+           'pretrained_info', 'save_pretrained', 'digits_split_sizes', 'plot_history', 'train_command', 'add_cli']
 
 # %% ../nbs/92_models.ipynb #8775d925
 import json
@@ -52,7 +52,7 @@ def count_parameters(model) -> int:
     "Number of trainable scalars in `model`."
     return int(sum(p.data.size for p in model.parameters()))
 
-# %% ../nbs/92_models.ipynb #6e402a8b
+# %% ../nbs/92_models.ipynb #85a65622
 Evaluation = namedtuple('Evaluation', 'loss accuracy')
 
 def _batches(data, batch_size=256):
@@ -77,37 +77,51 @@ def evaluate(model, loader, loss_fn=cross_entropy) -> Evaluation:
     if count == 0: raise TinycompError("evaluate() got an empty loader")
     return Evaluation(total_loss / count, correct / count)
 
-def fit(model, train_loader, val_loader=None, epochs=10, optimizer=None, scheduler=None, loss_fn=cross_entropy,
-        progress=True) -> dict:
-    "Train `model`; return a history of per-epoch train/val loss and accuracy, learning rate and time."
-    optimizer = optimizer or Adam(model.parameters(), lr=1e-3)
-    history = {k: [] for k in ('epoch', 'train_loss', 'train_acc', 'val_loss', 'val_acc', 'lr', 'seconds')}
-    bar = tqdm(range(1, epochs + 1), desc='training', unit='epoch', disable=not progress, leave=False)
+def train_epochs(model, batches, step, optimizers, val_loader=None, epochs=10, scheduler=None, val_loss_fn=cross_entropy,
+                 progress=True, desc='training', extra_losses=(), on_epoch_start=None) -> dict:
+    """The epoch loop `fit` (and module 06's `distill`) share. `batches()` yields one epoch's batches; `step(batch)`
+    returns `(loss, logits, labels, extras)`, `extras` a dict of floats named in `extra_losses` (averaged per epoch
+    like the loss); every optimizer in `optimizers` (the first sets the recorded learning rate) steps on each batch."""
+    history = {k: [] for k in ('epoch', 'train_loss', 'train_acc', 'val_loss', 'val_acc', 'lr', 'seconds', *extra_losses)}
+    bar = tqdm(range(1, epochs + 1), desc=desc, unit='epoch', disable=not progress, leave=False)
     for epoch in bar:
         model.train()
+        if on_epoch_start is not None: on_epoch_start()
         start, total_loss, correct, count = time.perf_counter(), 0.0, 0, 0
-        for xb, yb in train_loader:
-            logits = model(Tensor(xb))
-            loss = loss_fn(logits, yb)
-            optimizer.zero_grad()
+        sums = dict.fromkeys(extra_losses, 0.0)
+        for batch in batches():
+            loss, logits, yb, extras = step(batch)
+            for opt in optimizers: opt.zero_grad()
             loss.backward()
-            optimizer.step()
+            for opt in optimizers: opt.step()
             total_loss += loss.item() * len(yb)
+            for k in extra_losses: sums[k] += extras[k] * len(yb)
             correct += int((logits.data.argmax(1) == yb).sum())
             count += len(yb)
         if not np.isfinite(total_loss):
             raise TinycompError(f"training diverged at epoch {epoch} (loss is {total_loss}); lower the learning rate")
         history['epoch'].append(epoch)
-        history['lr'].append(optimizer.lr)
+        history['lr'].append(optimizers[0].lr)
         if scheduler is not None: scheduler.step()
         history['seconds'].append(time.perf_counter() - start)
         history['train_loss'].append(total_loss / count)
         history['train_acc'].append(correct / count)
-        val = evaluate(model, val_loader, loss_fn) if val_loader is not None else Evaluation(float('nan'), float('nan'))
+        for k in extra_losses: history[k].append(sums[k] / count)
+        val = evaluate(model, val_loader, val_loss_fn) if val_loader is not None else Evaluation(float('nan'), float('nan'))
         history['val_loss'].append(val.loss)
         history['val_acc'].append(val.accuracy)
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", val_acc=f"{val.accuracy:.3f}")
     return history
+
+def fit(model, train_loader, val_loader=None, epochs=10, optimizer=None, scheduler=None, loss_fn=cross_entropy,
+        progress=True) -> dict:
+    "Train `model`; return a history of per-epoch train/val loss and accuracy, learning rate and time."
+    optimizer = optimizer or Adam(model.parameters(), lr=1e-3)
+    def step(batch):
+        xb, yb = batch
+        logits = model(Tensor(xb))
+        return loss_fn(logits, yb), logits, yb, {}
+    return train_epochs(model, lambda: iter(train_loader), step, [optimizer], val_loader, epochs, scheduler, loss_fn, progress)
 
 # %% ../nbs/92_models.ipynb #d3658ee8
 RECIPES = {
