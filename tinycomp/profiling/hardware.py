@@ -377,7 +377,15 @@ def write_hardware_profile_artifacts(profile, directory) -> list:
                      [[k, fmt(v)] for k, v in profile['totals'].items()])
     return [ops, tot]
 
-# %% ../../nbs/03c_hardware.ipynb #151f3a7a
+# %% ../../nbs/03c_hardware.ipynb #2585b780
+_SWEEPS = {   # --sweep: (run, plot, table columns, plot title)
+    'batch': (batch_sweep, plot_batch_sweep,
+              [('batch', 'batch', 'd'), ('latency_ms', 'ms/batch', '.3f'), ('per_sample_us', 'us/sample', '.2f'),
+               ('throughput', 'samples/s', ',.0f')], "{model}: batch-size sweep"),
+    'threads': (thread_sweep, plot_thread_sweep,
+                [('threads', 'threads', 'd'), ('latency_ms', 'ms', '.3f'), ('speedup', 'speed-up', '.2f'),
+                 ('efficiency', 'efficiency', '.0%')], "{model}, batch {batch}")}
+
 CLI_ORDER = 25
 
 def _count_arg(value) -> int:
@@ -456,21 +464,14 @@ def _profile_command(args, model, out, info) -> int:
         plt.close(r['figure']); written.append(out / 'roofline.png')
     if args.sweep:
         import matplotlib.pyplot as plt
-        if args.sweep == 'batch':
-            s = batch_sweep(model, x, repeats=args.repeats, progress=True)
-            print(f"batch sweep (knee: batch {s['knee']}, the smallest at 90 % of the best throughput)")
-            print(format_table(s['rows'], [('batch', 'batch', 'd'), ('latency_ms', 'ms/batch', '.3f'),
-                                           ('per_sample_us', 'us/sample', '.2f'), ('throughput', 'samples/s', ',.0f')]))
-            fig = plot_batch_sweep(s, out / 'batch_sweep.png', title=f"{args.model}: batch-size sweep")
-            written.append(out / 'batch_sweep.png')
-        else:
-            s = thread_sweep(model, x, repeats=args.repeats, progress=True)
-            print(f"thread sweep, batch {args.batch}")
-            print(format_table(s['rows'], [('threads', 'threads', 'd'), ('latency_ms', 'ms', '.3f'),
-                                           ('speedup', 'speed-up', '.2f'), ('efficiency', 'efficiency', '.0%')]))
-            fig = plot_thread_sweep(s, out / 'thread_sweep.png', title=f"{args.model}, batch {args.batch}")
-            written.append(out / 'thread_sweep.png')
-        plt.close(fig)
+        run, plot, columns, title = _SWEEPS[args.sweep]
+        s = run(model, x, repeats=args.repeats, progress=True)
+        print(f"thread sweep, batch {args.batch}" if args.sweep == 'threads' else
+              f"batch sweep (knee: batch {s['knee']}, the smallest at 90 % of the best throughput)")
+        print(format_table(s['rows'], columns))
+        path = out / f"{args.sweep.rstrip('s')}_sweep.png"
+        plt.close(plot(s, path, title=title.format(model=args.model, batch=args.batch)))
+        written.append(path)
     print("wrote " + ', '.join(str(p) for p in written))
     return 0
 
