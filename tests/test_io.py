@@ -135,6 +135,8 @@ def test_register_layer_for_later_modules(tmp_path, restore_layers):
 
         def config(self): return dict(n=self.n, bits=self.bits)
         def forward(self, x): return x
+        def check_state(self):
+            if not (self.scale > 0).all(): raise TinycompError("scales must be > 0")
 
     m = Sequential(Scale(3, bits=4), Linear(3, 1))
     with pytest.raises(ModelFileError, match="allow-list.*register_layer"):
@@ -144,6 +146,9 @@ def test_register_layer_for_later_modules(tmp_path, restore_layers):
     m[0]._buffers['q'] = np.array([-128, 0, 127], np.int8)
     m[0]._buffers['mask'] = np.array([True, False, True])
     assert_same_model(m, tio.load(tio.save(m, tmp_path / 'q.npz')))
+    m[0]._buffers['scale'] = np.array([1, 0, 1], np.float32)             # load runs the layer's check_state()
+    with pytest.raises(ModelFileError, match=r"q.npz: layer 0 \(Scale\): scales must be > 0"):
+        tio.load(tio.save(m, tmp_path / 'q.npz'))
 
     class Block(Module):                                          # builds its own sub-layers
         def __init__(self, n):

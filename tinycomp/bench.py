@@ -188,7 +188,7 @@ def add_cli(subparsers):
         description='Measure tinycomp against baselines timed in the same run (median of repeated runs after '
                     'warm-up, with the thread counts used): `conv` for the convolution kernels, `train` for a '
                     'whole training run.')
-    sub = bench.add_subparsers(dest='bench_command', metavar='{conv,train}', title='benchmarks')
+    sub = bench.add_subparsers(dest='bench_command', title='benchmarks')
     sub.required = True
     conv = sub.add_parser(
         'conv', help='conv2d GFLOP/s: naive loops, NumPy im2col, tinycomp fwd/bwd, PyTorch if installed',

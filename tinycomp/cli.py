@@ -16,7 +16,7 @@ import tinycomp
 from .errors import TinycompError
 
 # %% ../nbs/99_cli.ipynb #e15a5b8d
-_ADD_CLI = re.compile(r'^def add_cli\s*\(', re.M)
+_ADD_CLI = re.compile(r'^def add_(bench_)?cli\s*\(', re.M)
 DEFAULT_CLI_ORDER = 50
 
 def _walk(path, prefix):
@@ -30,15 +30,20 @@ def _walk(path, prefix):
             yield from _walk(spec.submodule_search_locations, info.name + '.')
 
 def _may_have_cli(spec) -> bool:
-    "Does the module's source define a top-level `add_cli`? (True when the source cannot be read: import and see.)"
+    "Does the module's source define a top-level `add_cli` or `add_bench_cli`? (True when the source cannot be read: import and see.)"
     if not (spec.origin or '').endswith('.py'): return True
     try:
         with open(spec.origin, encoding='utf-8') as f: return bool(_ADD_CLI.search(f.read()))
     except OSError: return True
 
+def _defines(module, name) -> bool:
+    "Does `module` itself define the function `name` (not just re-export it)?"
+    fn = getattr(module, name, None)
+    return callable(fn) and getattr(fn, '__module__', module.__name__) == module.__name__
+
 def command_modules(scan_source=True) -> list:
-    """Every tinycomp module with a top-level `add_cli`, sorted by (`CLI_ORDER`, name). With `scan_source`,
-    only modules whose source defines `add_cli` are imported; otherwise every module is."""
+    """Every tinycomp module with a top-level `add_cli` or `add_bench_cli`, sorted by (`CLI_ORDER`, name). With
+    `scan_source`, only modules whose source defines one of them are imported; otherwise every module is."""
     found = []
     for name, spec in _walk(tinycomp.__path__, 'tinycomp.'):
         if name == __name__ or (scan_source and not _may_have_cli(spec)): continue
@@ -46,19 +51,22 @@ def command_modules(scan_source=True) -> list:
         except Exception as e:
             print(f"tinycomp: warning: the commands of {name} are unavailable ({type(e).__name__}: {e})", file=sys.stderr)
             continue
-        add_cli = getattr(module, 'add_cli', None)
-        if callable(add_cli) and getattr(add_cli, '__module__', name) == name: found.append(module)  # not a re-export
+        if _defines(module, 'add_cli') or _defines(module, 'add_bench_cli'): found.append(module)
     return sorted(found, key=lambda m: (getattr(m, 'CLI_ORDER', DEFAULT_CLI_ORDER), m.__name__))
 
 # %% ../nbs/99_cli.ipynb #4929c530
 def build_parser() -> argparse.ArgumentParser:
-    "The `tinycomp` argument parser with the subcommands of every module that defines `add_cli`."
+    "The `tinycomp` argument parser with the subcommands of every module that defines `add_cli` or `add_bench_cli`."
     parser = argparse.ArgumentParser(
         prog='tinycomp', description='Model compression from scratch: the tinycomp course tools.',
         epilog='Run `tinycomp COMMAND --help` for the options of a command.')
     parser.add_argument('--version', action='version', version=f"tinycomp {tinycomp.__version__}")
     sub = parser.add_subparsers(dest='command', metavar='COMMAND', title='commands')
-    for module in command_modules(): module.add_cli(sub)
+    modules = command_modules()
+    added = {m.__name__: m.add_cli(sub) for m in modules if _defines(m, 'add_cli')}
+    bench = added.get('tinycomp.bench')            # `tinycomp bench`'s own subparsers
+    for m in modules:
+        if _defines(m, 'add_bench_cli'): m.add_bench_cli(bench)
     return parser
 
 def main(argv=None) -> int:

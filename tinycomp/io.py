@@ -12,7 +12,7 @@ import numpy as np
 import importlib
 import importlib.util
 
-from .errors import ModelFileError
+from .errors import ModelFileError, TinycompError
 from .files import CONTAINERS, LAYERS, atomic_write, write_npz
 from . import tensor as _tensor
 from .nn.modules import Sequential
@@ -254,4 +254,9 @@ def load(path):
             raise _fail(path, f"array {name!r} is {a.dtype} {a.shape} but the rebuilt layer expects "
                         f"{own[name].dtype} {own[name].shape}: the config and the weights disagree")
     model.load_state_dict(arrays, strict=True)
+    for name, module in model.named_modules():  # layers with integer or packed arrays check what they hold
+        check = getattr(module, 'check_state', None)
+        if check is None: continue
+        try: check()
+        except TinycompError as e: raise _fail(path, f"layer {name or 'model'} ({type(module).__name__}): {e}") from None
     return model
