@@ -60,10 +60,16 @@ def test_every_add_cli_module_is_found_and_registered():
     # reading the source first finds exactly what importing every module finds
     assert names == [m.__name__ for m in command_modules(scan_source=False)]
     registered = commands(build_parser())
-    for module in found:  # every command of every add_cli module is in the real parser
+    bench = commands(registered['bench'])
+    for module in found:  # every command of every add_cli / add_bench_cli module is in the real parser
         alone = argparse.ArgumentParser()
-        module.add_cli(alone.add_subparsers())
-        assert set(commands(alone)) <= set(registered), module.__name__
+        if 'add_cli' in vars(module):
+            module.add_cli(alone.add_subparsers())
+            assert set(commands(alone)) <= set(registered), module.__name__
+        else:
+            module.add_bench_cli(alone.add_subparsers())
+            assert commands(alone) and set(commands(alone)) <= set(bench), module.__name__
+    assert 'tinycomp.quantization.models' in names and 'quant' in bench
     assert list(registered)[:4] == ['tour', 'bench', 'profile', 'train']  # CLI_ORDER: tour, measuring, profiling, training, course
 
 
@@ -73,6 +79,7 @@ def test_commands_live_where_they_belong():
     assert registered['train'].get_default('func').__module__ == 'tinycomp.models'
     bench_sub = commands(registered['bench'])
     assert {'conv', 'train'} <= set(bench_sub) and bench_sub['conv'].get_default('func').__module__ == 'tinycomp.bench'
+    assert bench_sub['quant'].get_default('func').__module__ == 'tinycomp.quantization.models'   # via add_bench_cli
 
 
 def _write(path, text):

@@ -99,11 +99,18 @@ def dependency_source(spec: ModuleSpec, names) -> str:
     files = {m: _module_file(m) for m in spec.reference}
     parsed = {m: ast.parse(f.read_text(encoding='utf-8')) for m, f in files.items()}
     defs = {n.name: (m, n) for m, tree in parsed.items() for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for m, tree in parsed.items():   # module-level constants the functions use (`QUANT_DTYPES = {...}`) come along
+        for n in tree.body:
+            if isinstance(n, (ast.Assign, ast.AnnAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    for nm in ast.walk(t):
+                        if isinstance(nm, ast.Name) and not nm.id.startswith('__'): defs.setdefault(nm.id, (m, n))
     chosen, imports = {}, []
     while todo:
         name = todo.pop()
         if name in chosen: continue
-        if name not in defs: raise GradingError(f"check dependency {name!r} is not a function of {list(spec.reference)}")
+        if name not in defs or not isinstance(defs[name][1], ast.FunctionDef) and name in names:
+            raise GradingError(f"check dependency {name!r} is not a function of {list(spec.reference)}")
         m, node = defs[name]
         chosen[name] = (m, node)
         for used in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
@@ -124,7 +131,8 @@ def dependency_source(spec: ModuleSpec, names) -> str:
                 raise GradingError(f"check dependencies use {target}, a reference file of module {spec.key}")
             imports.append(ast.unparse(node))
     srcs = {m: files[m].read_text(encoding='utf-8') for m in files}
-    body = [ast.get_source_segment(srcs[m], node) for m, node in sorted(chosen.values(), key=lambda mn: mn[1].lineno)]
+    nodes = {id(node): (m, node) for m, node in chosen.values()}.values()     # one statement may bind several names
+    body = [ast.get_source_segment(srcs[m], node) for m, node in sorted(nodes, key=lambda mn: (mn[0], mn[1].lineno))]
     return '\n'.join(dict.fromkeys(imports)) + '\n\n' + '\n\n'.join(body) + '\n'
 
 # %% ../../nbs/98f_runner.ipynb #99108d54

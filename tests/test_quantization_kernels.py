@@ -1,0 +1,340 @@
+"Tests of tinycomp.quantization.kernels: bit-exactness of the fast integer kernels, bounds and errors."
+import numpy as np
+import pytest
+
+from tinycomp.conv import adaptive_avg_pool2d, conv2d_forward, max_pool2d
+from tinycomp.errors import ShapeError, TinycompError
+from tinycomp.quantization.core import multiply_by_quantized_multiplier, quantize_multiplier
+from tinycomp.profiling.timing import usable_cores
+from tinycomp.quantization import kernels as K
+from tinycomp.quantization.kernels import (MAX_REDUCTION, int8_matmul, quantized_adaptive_avg_pool2d, quantized_conv2d,
+                                           quantized_conv2d_naive, quantized_linear, quantized_max_pool2d, requantize)
+
+# every kernel level this CPU runs ('vnni', 'avx2', 'loops' on an AVX-512 VNNI machine; 'loops' alone on ARM);
+# TINYCOMP_INT8_KERNEL=avx2|loops caps the list, to test the lower levels on their own
+KERNELS = ['auto'] + list(K.KERNEL_LEVELS)
+
+
+def case(rng, n, c, h, w, cout, kh, kw, groups=1, xdtype=np.int8, extreme=False, shifts=(-12, -6)):
+    "Random quantized conv arguments; per-channel multipliers with shifts in `shifts`."
+    lo, hi = (-128, 128) if xdtype == np.int8 else (0, 256)
+    xq = rng.integers(lo, hi, (n, c, h, w)).astype(xdtype)
+    wq = rng.integers(-127, 128, (cout, c // groups, kh, kw)).astype(np.int8)
+    if extreme:
+        xq[..., ::2] = lo; xq[..., 1::2] = hi - 1
+        wq[::2] = 127; wq[1::2] = -127
+    bias = rng.integers(-30000, 30000, cout).astype(np.int32)
+    mult = rng.integers(2**30, 2**31 - 1, cout).astype(np.int32)
+    shift = rng.integers(shifts[0], shifts[1] + 1, cout).astype(np.int32)
+    zx = int(rng.integers(lo, hi))
+    return xq, zx, wq, bias, mult, shift
+
+
+def reference(xq, zx, wq, bias, mult, shift, zp, qmin, qmax, stride=1, padding=0, dilation=1, groups=1):
+    "Independent reference: float64 conv of (xq - zx) (exact), int64 bias, core's requantization."
+    acc = conv2d_forward(xq.astype(np.float64) - zx, wq.astype(np.float64), None, stride, padding, dilation, groups)
+    acc = np.rint(acc).astype(np.int64) + (0 if bias is None else bias.astype(np.int64)[None, :, None, None])
+    assert np.abs(acc).max() < 2**31
+    r = multiply_by_quantized_multiplier(acc.astype(np.int32), mult[None, :, None, None], shift[None, :, None, None])
+    return np.clip(r.astype(np.int64) + zp, qmin, qmax)
+
+
+GEOMETRIES = [  # (n, c, h, w, cout, kh, kw, stride, padding, dilation, groups)
+    (1, 3, 9, 9, 8, 3, 3, 1, 1, 1, 1),
+    (2, 8, 10, 7, 16, 3, 3, 2, 1, 1, 1),          # stride 2 with padding
+    (3, 5, 8, 8, 20, 3, 3, 1, 0, 1, 1),           # padding 0, C not a multiple of 4
+    (2, 6, 9, 11, 7, 3, 3, 1, 2, 1, 1),           # padding 2
+    (1, 4, 12, 12, 33, 3, 3, 1, 2, 2, 1),         # dilation 2, Cout over two vectors
+    (2, 8, 7, 7, 12, 3, 3, 1, 1, 1, 2),           # groups 2, Cout != groups
+    (2, 6, 7, 8, 6, 3, 3, 1, 1, 1, 6),            # depthwise
+    (2, 6, 7, 8, 12, 3, 3, 2, 1, 1, 6),           # depthwise multiplier 2
+    (4, 16, 5, 5, 40, 1, 1, 1, 0, 1, 1),          # 1x1
+    (2, 5, 9, 10, 17, 2, 3, (2, 1), (1, 0), (1, 2), 1),   # non-square kernel, per-axis geometry
+    (1, 12, 6, 6, 64, 3, 1, 1, (1, 0), 1, 1),     # 3x1 kernel, 4 vectors of 16 channels
+    (5, 9, 6, 5, 48, 3, 3, 1, 1, 1, 3),           # groups 3 with 16 channels each
+    (1, 64, 14, 14, 64, 3, 3, 1, 1, 1, 1),        # a real layer
+]
+
+
+@pytest.mark.parametrize('geom', GEOMETRIES)
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_conv_bit_exact(geom, kernel):
+    n, c, h, w, cout, kh, kw, stride, padding, dilation, groups = geom
+    rng = np.random.default_rng(hash(geom) % 2**32)
+    xq, zx, wq, bias, mult, shift = case(rng, n, c, h, w, cout, kh, kw, groups)
+    kw_ = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    naive = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 3, **kw_)
+    fast = quantized_conv2d(xq, zx, wq, bias, mult, shift, 3, **kw_, kernel=kernel)
+    assert fast.dtype == np.int8 and naive.dtype == np.int8
+    np.testing.assert_array_equal(fast, naive)
+    np.testing.assert_array_equal(naive, reference(xq, zx, wq, bias, mult, shift, 3, -128, 127, **kw_))
+    assert len(np.unique(fast)) > 20            # the test exercises many output values, not just the clamps
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_conv_uint8_input_and_output(kernel):
+    rng = np.random.default_rng(1)
+    xq, zx, wq, bias, mult, shift = case(rng, 2, 7, 8, 9, 24, 3, 3, xdtype=np.uint8)
+    for dtype, zp, qmin, qmax in (('int8', -7, -128, 127), ('uint8', 120, 0, 255)):
+        naive = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, zp, qmin, qmax, padding=1, dtype=dtype)
+        fast = quantized_conv2d(xq, zx, wq, bias, mult, shift, zp, qmin, qmax, padding=1, dtype=dtype, kernel=kernel)
+        assert fast.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(fast, naive)
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_conv_extremes_relu_and_shifts(kernel):
+    rng = np.random.default_rng(2)
+    # extreme values -128/127 in the input and +-127 in the weights, zero points at the ends of the range
+    for zx in (-128, 127, 0):
+        xq, _, wq, bias, mult, shift = case(rng, 2, 9, 6, 6, 20, 3, 3, extreme=True)
+        naive = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 0, padding=1)
+        np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 0, padding=1, kernel=kernel), naive)
+    # fused ReLU: qmin = out_zero_point
+    xq, zx, wq, bias, mult, shift = case(rng, 2, 8, 7, 7, 16, 3, 3)
+    relu = quantized_conv2d(xq, zx, wq, bias, mult, shift, -20, -20, 127, padding=1, kernel=kernel)
+    assert relu.min() == -20
+    np.testing.assert_array_equal(relu, np.maximum(quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, -20, padding=1), -20))
+    # per-channel shifts of both signs (left shifts wrap like TFLite's int32 shift)
+    xq, zx, wq, bias, mult, shift = case(rng, 1, 4, 6, 6, 16, 1, 1, shifts=(-3, 3))
+    mult = rng.integers(2**30, 2**31 - 1, 16).astype(np.int32)
+    shift = np.array([-31, -20, -1, 0, 1, 2, 5, 30] * 2, np.int32)
+    np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 1, kernel=kernel),
+                                  quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 1))
+    # no bias, a zero multiplier
+    mult[3] = 0
+    np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, None, mult, shift, 1, kernel=kernel),
+                                  quantized_conv2d_naive(xq, zx, wq, None, mult, shift, 1))
+
+
+def test_mbqm_matches_core():
+    "The Numba scalar requantization is bit-exact with core.multiply_by_quantized_multiplier, extremes included."
+    rng = np.random.default_rng(3)
+    acc = np.concatenate([rng.integers(-2**31, 2**31, 3000), [-2**31, 2**31 - 1, 0, 1, -1, 2**30, -2**30]])
+    mult = np.concatenate([rng.integers(0, 2**31, 3000), [2**31 - 1, 2**30, 0, 1, 2**31 - 1, 2**30 + 1, 1]])
+    shift = np.concatenate([rng.integers(-31, 31, 3000), [30, -31, 0, 5, -1, 3, -30]])
+    want = multiply_by_quantized_multiplier(acc, mult, shift)
+    got = np.array([K._mbqm(int(a), int(m), int(s)) for a, m, s in zip(acc, mult, shift)])
+    np.testing.assert_array_equal(got, want)
+    # the vectorised tile version too
+    for i in range(0, 200):
+        r = np.empty(1, np.int64)
+        K._requant_tile(acc[i:i + 1].astype(np.int32), 1, 1, np.zeros(1, np.int64), mult[i:i + 1].astype(np.int64),
+                        np.maximum(shift[i:i + 1], 0).astype(np.int64), np.maximum(-shift[i:i + 1], 0).astype(np.int64),
+                        0, -2**40, 2**40, r)
+        assert r[0] == want[i]
+
+
+def test_int8_matmul_and_requantize():
+    rng = np.random.default_rng(4)
+    w = rng.integers(-127, 128, (6, 50)).astype(np.int8)
+    x = rng.integers(0, 256, (50, 9)).astype(np.uint8)
+    b = rng.integers(-10**6, 10**6, 6).astype(np.int32)
+    acc = int8_matmul(w, x, 131, b)
+    assert acc.dtype == np.int32
+    np.testing.assert_array_equal(acc, w.astype(np.int64) @ (x.astype(np.int64) - 131) + b[:, None])
+    x0 = x.copy(); int8_matmul(w, x, 131, b); np.testing.assert_array_equal(x, x0)     # inputs untouched
+    mult, shift = quantize_multiplier(rng.uniform(1e-5, 1e-3, 6))
+    q = requantize(acc, mult, shift, 4)
+    want = np.clip(multiply_by_quantized_multiplier(acc, mult[:, None], shift[:, None]).astype(np.int64) + 4, -128, 127)
+    np.testing.assert_array_equal(q, want)
+    assert q.dtype == np.int8
+    np.testing.assert_array_equal(requantize(acc, mult, shift, 4, qmin=4), np.maximum(want, 4))
+    assert requantize(acc, mult, shift, 200, 0, 255, 'uint8').dtype == np.uint8
+
+
+def test_overflow_bound():
+    assert MAX_REDUCTION == (2**31 - 1) // (127 * 255)
+    assert MAX_REDUCTION * 127 * 255 < 2**31 <= (MAX_REDUCTION + 1) * 127 * 255
+    w = np.ones((1, MAX_REDUCTION + 1), np.int8)
+    x = np.ones((MAX_REDUCTION + 1, 1), np.int8)
+    with pytest.raises(TinycompError, match='overflow'):
+        int8_matmul(w, x, 0)
+    int8_matmul(w[:, :MAX_REDUCTION], x[:MAX_REDUCTION], 0)                       # at the bound: fine
+    with pytest.raises(TinycompError, match='MAX_REDUCTION'):
+        int8_matmul(w[:, :MAX_REDUCTION], x[:MAX_REDUCTION], 0, np.array([10**6], np.int32))   # the bias counts
+    big_c = MAX_REDUCTION // 9 + 1                                                 # a 3x3 conv with too many channels
+    xq = np.zeros((1, big_c, 3, 3), np.int8)
+    wq = np.zeros((1, big_c, 3, 3), np.int8)
+    for fn in (quantized_conv2d, quantized_conv2d_naive):
+        with pytest.raises(TinycompError, match='overflow'):
+            fn(xq, 0, wq, None, [2**30], [0], 0)
+    with pytest.raises(TinycompError, match='overflow'):
+        quantized_linear(np.zeros((1, MAX_REDUCTION + 1), np.int8), 0, np.zeros((1, MAX_REDUCTION + 1), np.int8), None, [1], [0], 0)
+
+
+def test_bad_inputs():
+    rng = np.random.default_rng(5)
+    xq, zx, wq, bias, mult, shift = case(rng, 1, 4, 5, 5, 8, 3, 3)
+    for fn in (quantized_conv2d, quantized_conv2d_naive):
+        with pytest.raises(TinycompError, match='int8 or uint8'):
+            fn(xq.astype(np.int16), zx, wq, bias, mult, shift, 0)
+        with pytest.raises(TinycompError, match='integers'):
+            fn(xq.astype(np.float32), zx, wq, bias, mult, shift, 0)
+        with pytest.raises(TinycompError, match='wq must be int8'):
+            fn(xq, zx, wq.astype(np.int32), bias, mult, shift, 0)
+        with pytest.raises(ShapeError, match='4-D'):
+            fn(xq[0], zx, wq, bias, mult, shift, 0)
+        with pytest.raises(ShapeError, match='channels'):
+            fn(xq[:, :3], zx, wq, bias, mult, shift, 0)
+        with pytest.raises(ShapeError, match='bias'):
+            fn(xq, zx, wq, bias[:5], mult, shift, 0)
+        with pytest.raises(ShapeError, match='one value per output channel'):
+            fn(xq, zx, wq, bias, mult[:3], shift[:3], 0)
+        with pytest.raises(TinycompError, match='outside'):
+            fn(xq, 300, wq, bias, mult, shift, 0)
+        with pytest.raises(TinycompError, match='qmin'):
+            fn(xq, zx, wq, bias, mult, shift, 0, 10, 5)
+        with pytest.raises(TinycompError, match='shift'):
+            fn(xq, zx, wq, bias, mult, np.full(8, 40), 0)
+        with pytest.raises(ShapeError, match='too small'):
+            fn(xq[:, :, :2, :2], zx, wq, bias, mult, shift, 0)
+        with pytest.raises(ShapeError, match='groups'):
+            fn(xq, zx, wq[:, :2], bias, mult, shift, 0, groups=3)
+    with pytest.raises(TinycompError, match='kernel'):
+        quantized_conv2d(xq, zx, wq, bias, mult, shift, 0, kernel='fast')
+    with pytest.raises(ShapeError, match='features'):
+        quantized_linear(np.zeros((2, 5), np.int8), 0, np.zeros((3, 4), np.int8), None, [1, 1, 1], [0, 0, 0], 0)
+    with pytest.raises(TinycompError, match='dtype'):
+        requantize(np.zeros((2, 2), np.int32), [1, 1], [0, 0], 0, dtype='float32')
+    with pytest.raises(TinycompError, match='integers'):
+        quantized_max_pool2d(np.zeros((1, 1, 4, 4), np.float32), 2)
+    with pytest.raises(TinycompError, match='int8 or uint8'):
+        quantized_max_pool2d(np.zeros((1, 1, 4, 4), np.int32), 2)
+    with pytest.raises(ShapeError, match='4-D'):
+        quantized_adaptive_avg_pool2d(np.zeros((4, 4), np.int8), 1)
+    with pytest.raises(ShapeError, match='half the kernel'):
+        quantized_max_pool2d(np.zeros((1, 1, 4, 4), np.int8), 2, padding=2)
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_linear(kernel):
+    rng = np.random.default_rng(6)
+    for n, k, m in ((1, 10, 3), (7, 64, 40), (33, 37, 70)):
+        xq = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        wq = rng.integers(-127, 128, (m, k)).astype(np.int8)
+        b = rng.integers(-5000, 5000, m).astype(np.int32)
+        mult, shift = quantize_multiplier(rng.uniform(1e-4, 5e-3, m))
+        want = requantize(int8_matmul(wq, xq.T.copy(), -9, b), mult, shift, 2).T
+        got = quantized_linear(xq, -9, wq, b, mult, shift, 2, kernel=kernel)
+        assert got.shape == (n, m) and got.dtype == np.int8
+        np.testing.assert_array_equal(got, want)
+
+
+def test_max_pool():
+    rng = np.random.default_rng(7)
+    for dtype, lo, hi in ((np.int8, -128, 128), (np.uint8, 0, 256)):
+        x = rng.integers(lo, hi, (2, 3, 9, 8)).astype(dtype)
+        x[0, 0] = lo                                   # padding must never win, even against the minimum
+        for ks, st, pad in ((2, None, 0), (3, 2, 1), ((3, 2), (1, 2), (1, 1)), (3, 1, 1)):
+            got = quantized_max_pool2d(x, ks, st, pad)
+            want = np.asarray(max_pool2d(x.astype(np.float32), ks, st, pad).data)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, want.astype(dtype))
+        assert quantized_max_pool2d(x, 3, 2, 1)[0, 0].max() == lo
+
+
+def test_adaptive_avg_pool_rounding():
+    # means 1.5, 2.5, -1.5, -2.5, 0.5, -0.5: halves go to the even neighbour
+    x = np.array([[[[1, 2]], [[2, 3]], [[-1, -2]], [[-2, -3]], [[0, 1]], [[0, -1]]]], np.int8)
+    np.testing.assert_array_equal(quantized_adaptive_avg_pool2d(x, 1)[0, :, 0, 0], [2, 2, -2, -2, 0, 0])
+    # thirds round to the nearest
+    x = np.array([[[[1, 1, 2]], [[2, 2, 1]], [[-1, -1, -2]], [[127, 127, 127]], [[-128, -128, -127]]]], np.int8)
+    np.testing.assert_array_equal(quantized_adaptive_avg_pool2d(x, 1)[0, :, 0, 0], [1, 2, -1, 127, -128])
+    rng = np.random.default_rng(8)
+    for dtype, lo, hi in ((np.int8, -128, 128), (np.uint8, 0, 256)):
+        x = rng.integers(lo, hi, (2, 5, 7, 9)).astype(dtype)
+        for size in (1, (3, 2), (7, 9), (4, 5)):
+            got = quantized_adaptive_avg_pool2d(x, size)
+            want = np.round(np.asarray(adaptive_avg_pool2d(x.astype(np.float64), size).data))
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, want.astype(dtype))
+
+
+def test_benchmark_rows_and_threads_restored():
+    before = K.thread_info()['numba']
+    other = 1 if before != 1 else min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores())
+    K.set_threads(other)
+    try:
+        rows = K.int8_conv_benchmark(shapes=((2, 4, 6, 6, 8),), repeats=2, threads=1, levels=K.KERNEL_LEVELS)
+        assert K.thread_info()['numba'] == other                    # the caller's setting is back
+    finally:
+        K.set_threads(before)
+    r = rows[0]
+    assert len(rows) == 1 and r['int8_ms'] > 0 and r['float32_ms'] > 0 and r['threads'] == 1
+    for level in K.KERNEL_LEVELS:
+        assert r[f'{level}_ms'] > 0 and r[f'{level}_speedup'] > 0
+    table = K.format_benchmark(rows)
+    assert 'auto/f32' in table and all(f'{level}/f32' in table for level in K.KERNEL_LEVELS)
+    with pytest.raises(TinycompError, match='kernel'):
+        K.int8_conv_benchmark(shapes=((1, 4, 6, 6, 8),), repeats=1, levels=('fast',))
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_prepacked_weights(kernel):
+    rng = np.random.default_rng(9)
+    for geom in GEOMETRIES[:8]:
+        n, c, h, w, cout, kh, kw, stride, padding, dilation, groups = geom
+        xq, zx, wq, bias, mult, shift = case(rng, n, c, h, w, cout, kh, kw, groups)
+        kw_ = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+        packed = K.pack_conv_weights(wq, groups, kernel=kernel)
+        assert packed.level in K.KERNEL_LEVELS and packed.shape == wq.shape
+        want = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 3, **kw_)
+        for _ in range(2):                                          # reused: the packed weights are not modified
+            np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 3, **kw_, packed=packed), want)
+        np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, None, mult, shift, 3, **kw_, packed=packed),
+                                      quantized_conv2d_naive(xq, zx, wq, None, mult, shift, 3, **kw_))
+
+
+def test_prepacked_weights_errors():
+    rng = np.random.default_rng(10)
+    xq, zx, wq, bias, mult, shift = case(rng, 1, 8, 6, 6, 16, 3, 3)
+    packed = K.pack_conv_weights(wq)
+    with pytest.raises(ShapeError, match='packed weights are for'):
+        quantized_conv2d(xq[:, :4], zx, wq[:, :4], bias, mult, shift, 0, packed=packed)
+    with pytest.raises(ShapeError, match='packed weights are for'):
+        quantized_conv2d(xq, zx, wq[:, :4], bias, mult, shift, 0, groups=2, packed=packed)
+    with pytest.raises(TinycompError, match='pack_conv_weights'):
+        quantized_conv2d(xq, zx, wq, bias, mult, shift, 0, packed=(wq,))
+    other = [lv for lv in K.KERNEL_LEVELS if lv != packed.level]
+    if other:
+        with pytest.raises(TinycompError, match='packed for kernel'):
+            quantized_conv2d(xq, zx, wq, bias, mult, shift, 0, kernel=other[0], packed=packed)
+    with pytest.raises(ShapeError, match='groups'):
+        K.pack_conv_weights(wq, groups=3)
+    with pytest.raises(TinycompError, match='int8'):
+        K.pack_conv_weights(wq.astype(np.int16))
+    with pytest.raises(TinycompError, match='kernel'):
+        K.pack_conv_weights(wq, kernel='fast')
+
+
+def test_kernel_levels_and_env(monkeypatch):
+    "Levels follow the CPU features, best first; TINYCOMP_INT8_KERNEL (or TINYCOMP_NO_VNNI) caps them."
+    assert K.KERNEL_LEVELS[-1] == 'loops' and list(K.KERNEL_LEVELS) == [lv for lv in K._LEVELS if lv in K.KERNEL_LEVELS]
+    assert K.HAS_VNNI == ('vnni' in K.KERNEL_LEVELS) and K.HAS_AVX2 == ('avx2' in K.KERNEL_LEVELS)
+    monkeypatch.setattr(K, '_cpu_features', lambda: {'avx2', 'avx512f', 'avx512bw', 'avx512vnni'})
+    for env, want in (({}, ('vnni', 'avx2', 'loops')), ({'TINYCOMP_INT8_KERNEL': 'avx2'}, ('avx2', 'loops')),
+                      ({'TINYCOMP_INT8_KERNEL': 'LOOPS'}, ('loops',)), ({'TINYCOMP_NO_VNNI': '1'}, ('avx2', 'loops'))):
+        monkeypatch.delenv('TINYCOMP_INT8_KERNEL', raising=False); monkeypatch.delenv('TINYCOMP_NO_VNNI', raising=False)
+        for k, v in env.items(): monkeypatch.setenv(k, v)
+        assert K._kernel_levels() == want
+    monkeypatch.setenv('TINYCOMP_INT8_KERNEL', 'sse')
+    with pytest.raises(TinycompError, match='TINYCOMP_INT8_KERNEL'):
+        K._kernel_levels()
+    monkeypatch.setenv('TINYCOMP_INT8_KERNEL', 'vnni')                # a cap above what the CPU has: what it has
+    monkeypatch.setattr(K, '_cpu_features', lambda: {'avx2', 'fma'})
+    assert K._kernel_levels() == ('avx2', 'loops')
+    monkeypatch.setattr(K, '_cpu_features', lambda: set())           # ARM: the plain loops
+    assert K._kernel_levels() == ('loops',)
+
+
+def test_unavailable_level_is_refused(monkeypatch):
+    rng = np.random.default_rng(11)
+    xq, zx, wq, bias, mult, shift = case(rng, 1, 4, 5, 5, 8, 3, 3)
+    monkeypatch.setattr(K, 'KERNEL_LEVELS', ('loops',))
+    for level in ('vnni', 'avx2'):
+        with pytest.raises(TinycompError, match='needs'):
+            quantized_conv2d(xq, zx, wq, bias, mult, shift, 0, kernel=level)
+    np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 0),         # auto: the loops
+                                  quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 0))
+    assert K.pack_conv_weights(wq).level == 'loops'
