@@ -10,6 +10,7 @@ import pytest
 from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, conv_output_size
 from tinycomp.errors import TinycompError
 from tinycomp.models import digits_cnn, digits_cnn_wide
+from tinycomp.tensor import Tensor, as_tensor
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.profiling.counting import (PROFILE_COLUMNS, Profile, activation_bytes, conv2d_flops, layer_cost,
                                          output_shape, profile_model, trace_events)
@@ -230,3 +231,19 @@ def test_profile_class_from_rows():
     p = Profile(rows, model_ms=5.0, hooked_ms=5.5)
     assert p.total_ms == 4.0 and p.coverage == pytest.approx(0.8) and p.overhead == pytest.approx(0.1) and p.flops == 4
     assert math.isclose(sum(r['share'] for r in p.rows), 1.0)
+
+
+def test_a_layer_can_describe_its_own_cost(x_digits):
+    "Layers the rules do not know (quantized, sparse) define cost(in_shape); the profiler passes real item sizes."
+    class Halve(Module):                                   # int8 in, int8 out, one op per value
+        def forward(self, x): return Tensor(as_tensor(x).data[..., ::2].astype(np.int8))
+        def cost(self, in_shape):
+            return dict(output_shape=in_shape[:-1] + (in_shape[-1] // 2,), flops=math.prod(in_shape), params=7,
+                        output_itemsize=1)
+    c = layer_cost(Halve(), (2, 3, 8), itemsize=1)
+    assert (c['output_shape'], c['flops'], c['params']) == ((2, 3, 4), 48, 7)
+    assert (c['input_bytes'], c['activation_bytes']) == (48, 24)
+    x8 = np.zeros((4, 1, 8, 8), np.int8)
+    p = profile_model(Sequential(Halve(), Flatten()), x8, repeats=2)
+    assert p.uncounted == [] and [r['flops'] for r in p.rows] == [256, 0]
+    assert [r['activation_bytes'] for r in p.rows] == [128, 128]        # Flatten of int8 data: 1 byte per value

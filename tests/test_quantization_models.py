@@ -348,3 +348,26 @@ def test_bench_quant_command(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert len(r['conv']) == 5 and r['digits_cnn']['file_ratio'] < 1 and set(r['digits_cnn']['speedup']) == {'1', '64'}
     assert main(['bench', 'quant', '--repeats', '0']) == 2
+
+
+def test_module_03_profiles_integer_models(wide, digits):
+    "Every integer layer describes its cost: same operation counts as the float layers, one byte per activation."
+    from tinycomp.profiling.counting import profile_model
+    x = digits['test'][0][:4]
+    for q in (Q.quantize_static(wide, digits['calib']), Q.quantize_static(wide, digits['calib'], weight_bits=4),
+              Q.quantize_dynamic(wide)):
+        p = profile_model(q, x, repeats=1, warmup=0)
+        assert p.uncounted == [], p.uncounted
+    pf, pq = profile_model(wide, x, repeats=1, warmup=0), profile_model(Q.quantize_static(wide, digits['calib']), x, repeats=1, warmup=0)
+    f = {r['type']: r for r in pf.rows}
+    convs_f = [r for r in pf.rows if r['type'] in ('Conv2d', 'Linear')]
+    convs_q = [r for r in pq.rows if r['type'] in ('QuantizedConv2d', 'QuantizedLinear')]
+    assert [r['flops'] for r in convs_q] == [r['flops'] + (int(np.prod(r['output_shape'])) if r['type'] == 'Conv2d' else 0)
+                                             for r in convs_f]          # the wide convs have no bias; folding BN adds one
+    bn = sum(r['params'] for r in pf.rows if r['type'] == 'BatchNorm2d')
+    assert sum(r['params'] for r in pq.rows) == sum(r['params'] for r in pf.rows) - bn + sum(                  # BN folded into biases
+        r['output_shape'][1] for r in convs_f if r['type'] == 'Conv2d')
+    for r in pq.rows:
+        if r['type'].startswith('Quantized'): assert r['activation_bytes'] == int(np.prod(r['output_shape']))
+    assert pq.rows[0]['type'] == 'QuantStub' and pq.rows[-1]['activation_bytes'] == 4 * int(np.prod(pq.rows[-1]['output_shape']))
+    assert f['Conv2d']['activation_bytes'] == 4 * int(np.prod(f['Conv2d']['output_shape']))

@@ -106,14 +106,22 @@ def _weight_bytes(m) -> int:
 def layer_cost(module, in_shape, itemsize=4) -> dict:
     """What one forward pass of leaf layer `module` on an input of shape `in_shape` costs: type, input and output
     shapes, params, flops, weight_bytes, input_bytes, activation_bytes (the output), bytes_moved
-    (input + weights + output) and intensity (FLOPs per byte moved). Activations at `itemsize` bytes per value."""
+    (input + weights + output) and intensity (FLOPs per byte moved). Activations at `itemsize` bytes per value.
+    A layer the rules above do not know (quantized, sparse) describes itself with a `cost(in_shape)` method that
+    returns `output_shape`, `flops`, `params` and `output_itemsize`."""
     in_shape = tuple(map(int, in_shape))
-    out = output_shape(module, in_shape)
-    weight_bytes, flops = _weight_bytes(module), _layer_flops(module, in_shape, out)
-    input_bytes, act = math.prod(in_shape) * int(itemsize), activation_bytes(module, in_shape, itemsize)
+    own = getattr(module, 'cost', None)
+    if callable(own):
+        c = own(in_shape)
+        out, flops, params, out_itemsize = tuple(map(int, c['output_shape'])), c['flops'], c['params'], c['output_itemsize']
+    else:
+        out = output_shape(module, in_shape)
+        flops, params, out_itemsize = _layer_flops(module, in_shape, out), _params(module), itemsize
+    weight_bytes = _weight_bytes(module)
+    input_bytes, act = math.prod(in_shape) * int(itemsize), math.prod(out) * int(out_itemsize)
     moved = input_bytes + weight_bytes + act
     return dict(type=type(module).__name__, input_shape=in_shape, output_shape=out,
-                params=_params(module), flops=int(flops), weight_bytes=int(weight_bytes),
+                params=int(params), flops=int(flops), weight_bytes=int(weight_bytes),
                 input_bytes=input_bytes, activation_bytes=act, bytes_moved=moved,
                 intensity=flops / moved if moved else 0.0)
 
@@ -191,6 +199,11 @@ def _stamper(append, clock):
     def stamp(module, args, output=None): append(clock())
     return stamp
 
+def _itemsize(a):
+    "Bytes per value of an array or Tensor (4 for anything else)."
+    a = getattr(a, 'data', a)
+    return int(a.dtype.itemsize) if hasattr(a, 'dtype') else 4
+
 def profile_model(model, x, repeats=20, warmup=3) -> Profile:
     """Profile `model` on input `x`: time every leaf layer inside the forward pass with hooks (median of `repeats`
     runs after `warmup`), count its cost with `layer_cost`, and time the whole forward without hooks in the same run.
@@ -200,7 +213,7 @@ def profile_model(model, x, repeats=20, warmup=3) -> Profile:
     leaves, clock = _leaves(model), time.perf_counter_ns
     shapes, order, stamps = {}, [], []
     def shape_hooks(i):
-        def pre(m, args): order.append(i); shapes[i] = [_shape(args[0]), None]
+        def pre(m, args): order.append(i); shapes[i] = [_shape(args[0]), None, _itemsize(args[0])]
         def post(m, args, out): shapes[i][1] = _shape(out)
         return pre, post
     stamp = _stamper(stamps.append, clock)
@@ -242,12 +255,12 @@ def profile_model(model, x, repeats=20, warmup=3) -> Profile:
     rows, uncounted = [], []
     for i, (name, m) in enumerate(leaves):
         if i not in shapes: continue                       # never called in this forward pass
-        in_shape, out_shape = shapes[i]
-        try: c = layer_cost(m, in_shape)
+        in_shape, out_shape, itemsize = shapes[i]
+        try: c = layer_cost(m, in_shape, itemsize)
         except TinycompError:                              # a layer type without rules: measured shapes, no FLOPs
             uncounted.append(type(m).__name__)
-            c = dict(params=_params(m), flops=0, weight_bytes=_weight_bytes(m), activation_bytes=4 * math.prod(out_shape))
-            c.update(bytes_moved=4 * math.prod(in_shape) + c['weight_bytes'] + c['activation_bytes'], intensity=0.0)
+            c = dict(params=_params(m), flops=0, weight_bytes=_weight_bytes(m), activation_bytes=itemsize * math.prod(out_shape))
+            c.update(bytes_moved=itemsize * math.prod(in_shape) + c['weight_bytes'] + c['activation_bytes'], intensity=0.0)
         ms = float(lat_ms[i])
         rows.append(dict(name=name, type=type(m).__name__, output_shape=tuple(out_shape), params=c['params'],
                          flops=c['flops'], weight_bytes=c['weight_bytes'], activation_bytes=c['activation_bytes'],

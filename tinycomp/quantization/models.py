@@ -12,7 +12,7 @@ __all__ = ['SUPPORTED_LAYERS', 'CLI_ORDER', 'QuantStub', 'DeQuantStub', 'requant
            'layer_sensitivity', 'precision_plan', 'mixed_precision', 'measure_model', 'format_table', 'quant_benchmark',
            'add_bench_cli']
 
-# %% ../../nbs/04c_quantized_models.ipynb #4235615f
+# %% ../../nbs/04c_quantized_models.ipynb #199e1b83
 import copy
 import json
 import platform
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair, conv2d
+from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair, conv2d, conv_output_size
 from ..data import load_digits
 from ..errors import TinycompError
 from ..files import register_layer
@@ -33,10 +33,11 @@ from .core import (MinMaxObserver, MovingAverageMinMaxObserver, calculate_qparam
                                         dequantize, fake_quantize, fold_batchnorm, pack_int4, per_channel_qparams,
                                         qrange, quantize_multiplier, quantize_per_channel, quantize_per_tensor,
                                         sqnr, unpack_int4)
+from ..profiling.counting import conv2d_flops, layer_cost
 from .kernels import (int8_matmul, pack_conv_weights, quantized_adaptive_avg_pool2d,
                                            quantized_conv2d, quantized_linear, quantized_max_pool2d)
 
-# %% ../../nbs/04c_quantized_models.ipynb #6fa4e587
+# %% ../../nbs/04c_quantized_models.ipynb #d526de46
 _INT8 = (-128, 127)
 
 def _data(x):
@@ -68,6 +69,16 @@ def _qparams(scale, zero_point, what):
         raise TinycompError(f"{what} zero point must be an integer in [-128, 127], got {zero_point!r}")
     return float(s), int(zero_point)
 
+def _cost(out_shape, flops, params=0, output_itemsize=1) -> dict:
+    "What a layer's `cost(in_shape)` returns for module 03's `layer_cost` and `profile_model`."
+    return dict(output_shape=tuple(int(v) for v in out_shape), flops=int(flops), params=int(params),
+                output_itemsize=int(output_itemsize))
+
+def _cost_like(float_layer, in_shape):
+    "The cost of an int8 layer that does what `float_layer` does (module 03's rules), with one byte per value."
+    c = layer_cost(float_layer, in_shape, itemsize=1)
+    return _cost(c['output_shape'], c['flops'])
+
 def _int8_input(layer, x, ndim):
     "The int8 array inside `x`, or a TinycompError saying where float data leaked in."
     a = _data(x)
@@ -77,7 +88,7 @@ def _int8_input(layer, x, ndim):
     if a.ndim != ndim: raise TinycompError(f"{type(layer).__name__} expects a {ndim}-D input, got shape {a.shape}")
     return a
 
-# %% ../../nbs/04c_quantized_models.ipynb #63543377
+# %% ../../nbs/04c_quantized_models.ipynb #6da93836
 @register_layer
 class QuantStub(Module):
     "float32 -> int8 with a calibrated `scale` and `zero_point`: the entry of an integer model."
@@ -86,6 +97,9 @@ class QuantStub(Module):
         self.scale, self.zero_point = _qparams(scale, zero_point, type(self).__name__)
 
     def config(self): return dict(scale=self.scale, zero_point=self.zero_point)
+    def cost(self, in_shape):
+        "Two operations per value (scale and shift); float32 in and int8 out, or the reverse."
+        return _cost(in_shape, 2 * int(np.prod(in_shape)), output_itemsize=1 if isinstance(self, QuantStub) else 4)
 
     def forward(self, x):
         a = _data(x)
@@ -101,6 +115,9 @@ class DeQuantStub(Module):
         self.scale, self.zero_point = _qparams(scale, zero_point, type(self).__name__)
 
     def config(self): return dict(scale=self.scale, zero_point=self.zero_point)
+    def cost(self, in_shape):
+        "Two operations per value (scale and shift); float32 in and int8 out, or the reverse."
+        return _cost(in_shape, 2 * int(np.prod(in_shape)), output_itemsize=1 if isinstance(self, QuantStub) else 4)
 
     def forward(self, x):
         q = _data(x)
@@ -142,7 +159,7 @@ def quantize_layer_params(weight, bias, input_scale, output_scale, bits=8, per_c
     mult, shift = requant_multipliers(input_scale, per_out, output_scale)
     return dict(weight=np.asarray(w_q, np.int8), weight_scale=w_scale, bias=b_q.astype(np.int32), multiplier=mult, shift=shift)
 
-# %% ../../nbs/04c_quantized_models.ipynb #693e2cc8
+# %% ../../nbs/04c_quantized_models.ipynb #f36426ca
 class _QuantizedWeighted(Module):
     "Shared buffers, checks and weight unpacking of QuantizedConv2d and QuantizedLinear."
     def _init_buffers(self, wshape, per_channel, weight_bits, input_qparams, output_qparams):
@@ -211,6 +228,10 @@ class _QuantizedWeighted(Module):
         _check_ints('bias', self._buffers['bias'], np.int32, -2**31, 2**31 - 1, (cout,))
         _check_scales('weight_scale', self._buffers['weight_scale'], (cout if self.per_channel else 1,))
 
+    def num_params(self) -> int:
+        "Weights and biases, as in the float layer (an int4 weight counts once, not per byte)."
+        return int(np.prod(self.weight_shape)) + self.weight_shape[0]
+
     def _clamp(self):
         "(qmin, qmax) of the output: a fused ReLU clamps at the output zero point."
         z = int(self.output_zero_point)
@@ -236,6 +257,13 @@ class QuantizedConv2d(_QuantizedWeighted):
         return dict(in_channels=self.in_channels, out_channels=self.out_channels, kernel_size=c(self.kernel_size),
                     stride=c(self.stride), padding=c(self.padding), dilation=c(self.dilation), groups=self.groups,
                     relu=self.relu, weight_bits=self.weight_bits, per_channel=self.per_channel, **self._qparams_config())
+
+    def cost(self, in_shape):
+        "Integer multiply-adds counted like FLOPs (2 per MAC), one byte per activation."
+        (sh, sw), (ph, pw), (dh, dw), (kh, kw) = self.stride, self.padding, self.dilation, self.kernel_size
+        out = (in_shape[0], self.out_channels, conv_output_size(in_shape[2], kh, sh, ph, dh), conv_output_size(in_shape[3], kw, sw, pw, dw))
+        flops = conv2d_flops(in_shape, self.out_channels, self.kernel_size, self.stride, self.padding, self.dilation, self.groups)
+        return _cost(out, flops, self.num_params())
 
     @classmethod
     def from_float(cls, conv, input_qparams, output_qparams, relu=False, weight_bits=8, per_channel=True):
@@ -269,6 +297,11 @@ class QuantizedLinear(_QuantizedWeighted):
         return dict(in_features=self.in_features, out_features=self.out_features, relu=self.relu,
                     weight_bits=self.weight_bits, per_channel=self.per_channel, **self._qparams_config())
 
+    def cost(self, in_shape):
+        rows = int(np.prod(in_shape[:-1]))
+        return _cost(tuple(in_shape[:-1]) + (self.out_features,), 2 * rows * self.in_features * self.out_features
+                     + rows * self.out_features, self.num_params())
+
     @classmethod
     def from_float(cls, lin, input_qparams, output_qparams, relu=False, weight_bits=8, per_channel=True):
         "A QuantizedLinear computing `lin` (then ReLU if `relu`) between int8 tensors with the given (scale, zero_point)."
@@ -285,7 +318,7 @@ class QuantizedLinear(_QuantizedWeighted):
         return Tensor(quantized_linear(xq, self.input_zero_point, self.int_weight(), self.bias, *self.requant_params(),
                                        self.output_zero_point, qmin, qmax, packed=self.packed_weight()))
 
-# %% ../../nbs/04c_quantized_models.ipynb #68825120
+# %% ../../nbs/04c_quantized_models.ipynb #40c2fd26
 def _rounded_mean(total, count):
     "Integer `total / count` rounded half to even, without floats."
     q, r = np.divmod(total, count)
@@ -297,6 +330,7 @@ class QuantizedMaxPool2d(Module):
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
         self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+    def cost(self, in_shape): return _cost_like(MaxPool2d(self.kernel_size, self.stride, self.padding), in_shape)
     def config(self):
         c = lambda v: v if isinstance(v, int) else list(v)
         return dict(kernel_size=c(self.kernel_size), stride=None if self.stride is None else c(self.stride), padding=c(self.padding))
@@ -310,6 +344,7 @@ class QuantizedAdaptiveAvgPool2d(Module):
         super().__init__()
         self.output_size = output_size
     def config(self): return dict(output_size=self.output_size if isinstance(self.output_size, int) else list(self.output_size))
+    def cost(self, in_shape): return _cost_like(AdaptiveAvgPool2d(self.output_size), in_shape)
     def forward(self, x): return Tensor(quantized_adaptive_avg_pool2d(_int8_input(self, x, 4), self.output_size))
 
 @register_layer
@@ -320,6 +355,7 @@ class QuantizedAvgPool2d(Module):
         self.kernel_size = _pair(kernel_size, 'kernel_size')
         self.stride = self.kernel_size if stride is None else _pair(stride, 'stride')
     def config(self): return dict(kernel_size=list(self.kernel_size), stride=list(self.stride))
+    def cost(self, in_shape): return _cost_like(AvgPool2d(self.kernel_size, self.stride), in_shape)
     def forward(self, x):
         xq = _int8_input(self, x, 4)
         (kh, kw), (sh, sw) = self.kernel_size, self.stride
@@ -335,12 +371,13 @@ class QuantizedReLU(Module):
         super().__init__()
         self.zero_point = _qparams(1.0, zero_point, 'QuantizedReLU')[1]
     def config(self): return dict(zero_point=self.zero_point)
+    def cost(self, in_shape): return _cost_like(ReLU(), in_shape)
     def forward(self, x):
         xq = _data(x)
         if xq.dtype != np.int8: raise TinycompError(f"QuantizedReLU expects int8 activations, got {xq.dtype}")
         return Tensor(np.maximum(xq, np.int8(self.zero_point)))
 
-# %% ../../nbs/04c_quantized_models.ipynb #e03f414b
+# %% ../../nbs/04c_quantized_models.ipynb #bf3b2b35
 @register_layer
 class DynamicQuantizedLinear(Module):
     "Linear layer with int8 weights (per output row); float input quantized per batch from its min/max, int32 GEMM, float output."
@@ -352,6 +389,13 @@ class DynamicQuantizedLinear(Module):
         if bias: self.register_buffer('bias', np.zeros(self.out_features, np.float32))
 
     def config(self): return dict(in_features=self.in_features, out_features=self.out_features, bias='bias' in self._buffers)
+
+    def cost(self, in_shape):
+        "The float Linear's count (the per-batch quantization of the input adds a few operations per value)."
+        rows, bias = int(np.prod(in_shape[:-1])), 'bias' in self._buffers
+        return _cost(tuple(in_shape[:-1]) + (self.out_features,), 2 * rows * self.in_features * self.out_features
+                     + (rows * self.out_features if bias else 0),
+                     self.in_features * self.out_features + (self.out_features if bias else 0), output_itemsize=4)
 
     @classmethod
     def from_float(cls, lin):
