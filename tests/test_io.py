@@ -355,3 +355,17 @@ def test_a_redefined_layer_class_is_named_in_the_error(tmp_path):
     with pytest.raises(ModelFileError, match=r"not the registered tinycomp.nn.modules.Linear \(a class redefined in a notebook\?\)"):
         tio.save(Sequential(Linear()), tmp_path / 'x.npz')
     assert not (tmp_path / 'x.npz').exists()
+
+
+def test_a_notebooks_own_version_of_a_layer_saves_as_the_package_layer(tmp_path):
+    "Notebooks (module __main__) redefine package layers; their models save under the package's names."
+    from tinycomp.nn.modules import Parameter
+    class Linear(Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = Parameter(np.full((2, 3), 0.5, np.float32)), Parameter(np.zeros(2, np.float32))
+        def config(self): return dict(in_features=3, out_features=2, bias=True)
+        def forward(self, x): return x
+    Linear.__module__, Linear.__qualname__ = '__main__', 'Linear'      # as a notebook defines it
+    back = tio.load(tio.save(Sequential(Linear()), tmp_path / 'nb.npz'))
+    assert type(back[0]) is tfiles.LAYERS['Linear'] and np.array_equal(back[0].weight.data, np.full((2, 3), 0.5, np.float32))

@@ -116,13 +116,14 @@ def test_mbqm_matches_core():
     want = multiply_by_quantized_multiplier(acc, mult, shift)
     got = np.array([K._mbqm(int(a), int(m), int(s)) for a, m, s in zip(acc, mult, shift)])
     np.testing.assert_array_equal(got, want)
-    # the vectorised tile version too
-    for i in range(0, 200):
-        r = np.empty(1, np.int64)
-        K._requant_tile(acc[i:i + 1].astype(np.int32), 1, 1, np.zeros(1, np.int64), mult[i:i + 1].astype(np.int64),
-                        np.maximum(shift[i:i + 1], 0).astype(np.int64), np.maximum(-shift[i:i + 1], 0).astype(np.int64),
-                        0, -2**40, 2**40, r)
-        assert r[0] == want[i]
+    # the vectorised 32-bit tile version of the drivers too (multipliers >= 0, as quantize_multiplier gives them)
+    for lanes in (1, 16, acc.size):
+        rows = acc.size // lanes
+        lp = np.stack([np.zeros(lanes), mult[:lanes], np.maximum(shift[:lanes], 0), np.maximum(-shift[:lanes], 0)]).astype(np.int32)
+        r = np.empty(rows * lanes, np.int64)
+        K._requant_rows(acc[:rows * lanes].astype(np.int32), rows, lanes, lp, 0, -2**40, 2**40, r)
+        np.testing.assert_array_equal(r, multiply_by_quantized_multiplier(acc[:rows * lanes], np.tile(mult[:lanes], rows),
+                                                                          np.tile(shift[:lanes], rows)))
 
 
 def test_int8_matmul_and_requantize():
@@ -308,14 +309,94 @@ def test_prepacked_weights_errors():
         K.pack_conv_weights(wq, kernel='fast')
 
 
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_packed_memo_is_never_stale(kernel):
+    "The packed object remembers layouts per call signature, keyed by value: new values or in-place edits recompute."
+    rng = np.random.default_rng(12)
+    xq, zx, wq, bias, mult, shift = case(rng, 2, 8, 7, 7, 24, 3, 3)
+    packed = K.pack_conv_weights(wq, kernel=kernel)
+    run = lambda xq_, zx_, b, m, s, zp=3, **kw: quantized_conv2d(xq_, zx_, wq, b, m, s, zp, padding=1, packed=packed, **kw)
+    want = lambda xq_, zx_, b, m, s, zp=3, **kw: quantized_conv2d_naive(xq_, zx_, wq, b, m, s, zp, padding=1, **kw)
+    np.testing.assert_array_equal(run(xq, zx, bias, mult, shift), want(xq, zx, bias, mult, shift))
+    assert len(packed.memo) == 2                                    # requantization lanes + geometry
+    bias[:5] += 1000; mult[3] //= 3; shift[7] -= 2                  # edited in place: same objects, new values
+    np.testing.assert_array_equal(run(xq, zx, bias, mult, shift), want(xq, zx, bias, mult, shift))
+    np.testing.assert_array_equal(run(xq, zx - 7, bias, mult, shift, zp=-9), want(xq, zx - 7, bias, mult, shift, zp=-9))
+    np.testing.assert_array_equal(run(xq, zx, None, mult, shift, qmin=3), want(xq, zx, None, mult, shift, qmin=3))
+    np.testing.assert_array_equal(run(xq, zx, bias, int(mult[0]), int(shift[0])), want(xq, zx, bias, mult[0], shift[0]))
+    xs = rng.integers(-128, 128, (1, 8, 5, 9)).astype(np.int8)     # another input shape, then a uint8 input
+    np.testing.assert_array_equal(run(xs, zx, bias, mult, shift), want(xs, zx, bias, mult, shift))
+    xu = (xq.astype(np.int16) + 128).astype(np.uint8)
+    np.testing.assert_array_equal(run(xu, 200, bias, mult, shift, dtype='uint8', qmin=0, qmax=255),
+                                  want(xu, 200, bias, mult, shift, dtype='uint8', qmin=0, qmax=255))
+    with pytest.raises(TinycompError, match='int8 or uint8'):      # a list: no memo, the full checks
+        run(xq.tolist(), zx, bias, mult, shift)
+    for i in range(3 * K._MEMO_SIZE):                               # bounded
+        run(xq, zx, bias + i, mult, shift)
+    assert len(packed.memo) <= K._MEMO_SIZE
+
+
+def test_packed_memo_still_checks_every_call():
+    "A remembered call does not let a later bad call through: each new argument value is checked in full."
+    rng = np.random.default_rng(13)
+    xq, zx, wq, bias, mult, shift = case(rng, 1, 8, 6, 6, 16, 3, 3)
+    packed = K.pack_conv_weights(wq)
+    ok = quantized_conv2d(xq, zx, wq, bias, mult, shift, 0, packed=packed)
+    call = lambda **kw: quantized_conv2d(**{**dict(xq=xq, x_zero_point=zx, wq=wq, bias=bias, multiplier=mult,
+                                                   shift=shift, out_zero_point=0, packed=packed), **kw})
+    with pytest.raises(TinycompError, match='multiplier must lie'):
+        call(multiplier=-mult)
+    with pytest.raises(TinycompError, match='shift must lie'):
+        call(shift=shift - 40)
+    with pytest.raises(ShapeError, match='bias must have shape'):
+        call(bias=bias[:3])
+    with pytest.raises(TinycompError, match='int8 or uint8'):
+        call(xq=xq.astype(np.int16))
+    with pytest.raises(TinycompError, match='integers'):
+        call(xq=xq.astype(np.float32))
+    with pytest.raises(ShapeError):
+        call(xq=xq[:, :5])                                          # wrong channel count
+    with pytest.raises(ShapeError):
+        call(xq=xq[0])                                              # 3-D
+    with pytest.raises(TinycompError, match='outside'):
+        call(x_zero_point=300)
+    with pytest.raises(TinycompError, match='overflow'):
+        call(bias=np.full(16, 2**31 - 1, np.int32))
+    with pytest.raises(ShapeError, match='packed weights are for'):
+        call(wq=wq[:8], bias=bias[:8], multiplier=mult[:8], shift=shift[:8])
+    with pytest.raises(ShapeError, match='packed weights are for'):
+        call(wq=wq[:, :4], xq=xq[:, :8], groups=2)
+    with pytest.raises(TinycompError, match='wq must be int8'):
+        call(wq=wq.astype(np.int16))
+    with pytest.raises(TinycompError, match='kernel must be'):
+        call(kernel='fast')
+    np.testing.assert_array_equal(call(), ok)                      # and the good call still runs from the memo
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_serial_and_parallel_drivers_agree(kernel, monkeypatch):
+    "Small convs run serially (no thread launch), big ones in parallel: both paths bit-exact."
+    rng = np.random.default_rng(14)
+    xq, zx, wq, bias, mult, shift = case(rng, 3, 12, 9, 8, 40, 3, 3)
+    want = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 2, padding=1)
+    before = K.thread_info()['numba']
+    K.set_threads(min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores()))
+    try:
+        for macs in (0, 1 << 62):
+            monkeypatch.setattr(K, 'PARALLEL_MACS', macs)
+            np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 2, padding=1, kernel=kernel), want)
+    finally:
+        K.set_threads(before)
+
+
 def test_kernel_levels_and_env(monkeypatch):
-    "Levels follow the CPU features, best first; TINYCOMP_INT8_KERNEL (or TINYCOMP_NO_VNNI) caps them."
+    "Levels follow the CPU features, best first; TINYCOMP_INT8_KERNEL caps them."
     assert K.KERNEL_LEVELS[-1] == 'loops' and list(K.KERNEL_LEVELS) == [lv for lv in K._LEVELS if lv in K.KERNEL_LEVELS]
     assert K.HAS_VNNI == ('vnni' in K.KERNEL_LEVELS) and K.HAS_AVX2 == ('avx2' in K.KERNEL_LEVELS)
     monkeypatch.setattr(K, '_cpu_features', lambda: {'avx2', 'avx512f', 'avx512bw', 'avx512vnni'})
     for env, want in (({}, ('vnni', 'avx2', 'loops')), ({'TINYCOMP_INT8_KERNEL': 'avx2'}, ('avx2', 'loops')),
-                      ({'TINYCOMP_INT8_KERNEL': 'LOOPS'}, ('loops',)), ({'TINYCOMP_NO_VNNI': '1'}, ('avx2', 'loops'))):
-        monkeypatch.delenv('TINYCOMP_INT8_KERNEL', raising=False); monkeypatch.delenv('TINYCOMP_NO_VNNI', raising=False)
+                      ({'TINYCOMP_INT8_KERNEL': 'LOOPS'}, ('loops',))):
+        monkeypatch.delenv('TINYCOMP_INT8_KERNEL', raising=False)
         for k, v in env.items(): monkeypatch.setenv(k, v)
         assert K._kernel_levels() == want
     monkeypatch.setenv('TINYCOMP_INT8_KERNEL', 'sse')

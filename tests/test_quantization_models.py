@@ -163,7 +163,33 @@ def test_layers_refuse_float_activations(q8):
     with pytest.raises(TinycompError, match="expects int8 activations"): q8[1](Tensor(np.zeros((1, 1, 8, 8), np.float32)))
     with pytest.raises(TinycompError, match="expects float input"): q8[0](np.zeros((1, 1, 8, 8), np.int8))
     with pytest.raises(TinycompError, match="NaN"): q8[0](np.full((1, 1, 8, 8), np.nan, np.float32))
-    with pytest.raises(TinycompError, match="weight_bits must be 8 or 4"): Q.QuantizedLinear(3, 2, weight_bits=2)
+    for bits in (1, 5, 16, True):
+        with pytest.raises(TinycompError, match=r"weight_bits must be one of \(2, 3, 4, 8\)"): Q.QuantizedLinear(3, 2, weight_bits=bits)
+
+
+@pytest.mark.parametrize('bits', [2, 3, 4])
+def test_narrow_weights_are_packed_and_exact(cnn, digits, tmp_path, bits):
+    "2-, 3- and 4-bit weights: values in [-qmax, qmax], stored packed, the same in QAT and after convert."
+    q = Q.quantize_static(cnn, digits['calib'], weight_bits=bits)
+    qmax = Q.weight_qmax(bits)
+    for m in q:
+        if isinstance(m, (Q.QuantizedConv2d, Q.QuantizedLinear)):
+            w = m.int_weight()
+            assert m.weight.dtype == np.uint8 and m.weight.size == (w.size + 1) // 2
+            assert np.abs(w).max() == qmax                       # the largest weight of each layer uses the top level
+    back = tio.load(tio.save(q, tmp_path / 'n.npz'))
+    assert np.array_equal(back(Tensor(digits['test'][0][:20])).data, q(Tensor(digits['test'][0][:20])).data)
+    path = tio.save(q, tmp_path / 'bad.npz')                     # a value beyond the width is refused on load
+    with np.load(path, allow_pickle=False) as f: arrays = {k: f[k] for k in f.files}
+    w = unpack_int4(arrays['1.weight'], 144).copy(); w[0] = -qmax - 1; arrays['1.weight'] = pack_int4(w)
+    np.savez(tmp_path / 'bad2.npz', **arrays)
+    with pytest.raises(ModelFileError, match=rf"holds values in \[-{qmax + 1}, -?\d+\], outside the allowed \[-{qmax}, {qmax}\]"):
+        tio.load(tmp_path / 'bad2.npz')
+    qat = Q.prepare_qat(cnn, weight_bits=bits)                   # QAT's fake weights are exactly the converted ones
+    with no_grad(): qat(Tensor(digits['calib']))
+    conv = Q.convert(qat)
+    for a, b in zip([m for m in qat if hasattr(m, 'fake_weight')], [m for m in conv if isinstance(m, (Q.QuantizedConv2d, Q.QuantizedLinear))]):
+        assert np.array_equal(a.fake_weight().data, b.float_weight())
 
 
 # ---------------------------------------------------------------- model files
@@ -296,6 +322,20 @@ def test_qat_trains_and_converts(cnn, digits):
     with pytest.raises(TinycompError, match="made by prepare_qat"): Q.convert(cnn)
 
 
+def test_qat_wins_back_what_ternary_ptq_loses(cnn, digits):
+    "2-bit (ternary) weights: PTQ loses many points on digits_cnn, a few epochs of QAT win back more than half."
+    Xtr, ytr = digits['train']
+    X, y = digits['test']
+    acc = lambda m: evaluate(m, (X, y)).accuracy
+    manual_seed(0)
+    qat = Q.prepare_qat(cnn, weight_bits=2)
+    fit(qat, DataLoader(Xtr, ytr, batch_size=64, shuffle=True, seed=0), epochs=5, optimizer=Adam(qat.parameters(), lr=1e-3),
+        progress=False)
+    loss_ptq = acc(cnn) - acc(Q.quantize_static(cnn, digits['calib'], weight_bits=2))
+    loss_qat = acc(cnn) - acc(Q.convert(qat))
+    assert loss_ptq > 0.05 and loss_qat < loss_ptq / 2, (loss_ptq, loss_qat)
+
+
 def test_layer_sensitivity_and_mixed_precision(cnn, digits, tmp_path):
     val = (digits['val'][0][:100], digits['val'][1][:100])
     rows = Q.layer_sensitivity(cnn, digits['calib'][:64], val)
@@ -311,14 +351,19 @@ def test_layer_sensitivity_and_mixed_precision(cnn, digits, tmp_path):
     m = Q.mixed_precision(cnn, digits['calib'][:64], val, full - 500, sensitivity=rows)
     plan = Q.precision_plan(m)
     assert Q.model_bytes(m) <= full - 500 and 'int4' in plan
-    mid = Q.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) - 1000, sensitivity=rows)
-    assert 'float32' in Q.precision_plan(mid) and any(isinstance(l, Q.QuantStub) for l in mid)
+    half = Q.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) - 1000, sensitivity=rows)
+    assert Q.precision_plan(half) == ['float32', 'float32', 'float16']    # the lossless step that saves the most
+    assert type(half[-1]).__name__ == 'HalfLinear' and half[-1].weight.dtype == np.float16
+    mid = Q.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) // 2 - 1000, sensitivity=rows)
+    plan = Q.precision_plan(mid)
+    assert Q.model_bytes(mid) <= Q.model_bytes(cnn) // 2 - 1000 and any(isinstance(l, Q.QuantStub) for l in mid)
+    assert {'float16', 'float32'} & set(plan) and {'int8', 'int4'} & set(plan), plan
     X = digits['test'][0][:30]
-    for model in (m, mid):
+    for model in (m, half, mid):
         back = tio.load(tio.save(model, tmp_path / 'mixed.npz'))
         assert np.array_equal(back(Tensor(X)).data, model(Tensor(X)).data)
     rep = Q.quantization_report(cnn, mid, X)
-    assert len(rep) == 5 and 'float32' in [r['precision'] for r in rep]
+    assert len(rep) == 5 and {'float16', 'float32'} & {r['precision'] for r in rep}
 
 
 def test_build_quantized_float_islands(cnn, digits):

@@ -44,6 +44,8 @@ def _type_name(module) -> str:
     for name, cls in LAYERS.items():
         if type(module) is cls: return name
     same = LAYERS.get(type(module).__name__)
+    if same is not None and type(module).__module__ == '__main__' and type(module).__qualname__ == same.__qualname__:
+        return type(module).__name__   # a notebook's own version of a package layer is saved as the package's layer
     hint = (f"it is not the registered {same.__module__}.{same.__qualname__} (a class redefined in a notebook?); "
             "build the model from the package's layers") if same else \
            "it is not in the allow-list of layer types; decorate its class with @tinycomp.files.register_layer first"

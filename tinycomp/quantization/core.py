@@ -103,9 +103,11 @@ def calculate_qparams(min_val, max_val, dtype='int8', symmetric=False):
     return np.asarray(scale, np.float32), np.asarray(zero_point, np.int32)
     ### END SOLUTION
 
-# %% ../../nbs/04a_quantization.ipynb #31de46f7
+# %% ../../nbs/04a_quantization.ipynb #987d28c6
 def _check_scale(scale, name='scale'):
     "`scale` as a float32 array, every entry finite and > 0."
+    if type(scale) in (float, np.float32, np.float64) and 0 < scale < np.inf and np.float32(scale) > 0:
+        return np.asarray(scale, np.float32)        # one number: the common case, checked without array work
     s = _as_float_array(scale, name)
     if not np.isfinite(s).all() or (s <= 0).any():
         bad = s[~(np.isfinite(s) & (s > 0))]
@@ -115,6 +117,8 @@ def _check_scale(scale, name='scale'):
 
 def _check_zero_point_in(zero_point, qmin, qmax, what, name='zero_point'):
     "`zero_point` as an int32 array of integers in [qmin, qmax]."
+    if type(zero_point) in (int, np.int32, np.int64) and qmin <= zero_point <= qmax:
+        return np.asarray(zero_point, np.int32)     # one integer: the common case
     z = np.asarray(zero_point.data if isinstance(zero_point, Tensor) else zero_point)
     if z.dtype == object or z.dtype.kind not in 'iuf' or (z.dtype.kind == 'f' and not (np.isfinite(z) & (z == np.round(z))).all()):
         raise TinycompError(f"{name} must be whole numbers (integers), got {zero_point!r}")
