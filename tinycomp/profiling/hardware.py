@@ -23,7 +23,7 @@ from numba import njit, prange
 from ..errors import TinycompError
 from ..files import atomic_write
 from .counting import profile_model
-from .timing import set_threads, thread_info, threads_arg, time_fn, usable_cores
+from .timing import positive_int, set_threads, thread_info, threads_arg, time_fn, usable_cores
 from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/03c_hardware.ipynb #31685d2e
@@ -388,12 +388,6 @@ _SWEEPS = {   # --sweep: (run, plot, table columns, plot title)
 
 CLI_ORDER = 25
 
-def _count_arg(value) -> int:
-    try: n = int(value)
-    except (TypeError, ValueError): raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
-    if n < 1: raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
 def _shape_arg(value) -> tuple:
     try: shape = tuple(int(v) for v in value.split(','))
     except ValueError: shape = ()
@@ -486,7 +480,7 @@ def add_cli(subparsers):
     p.add_argument('model', nargs='?', default='digits_cnn', metavar='MODEL_OR_FILE',
                    help='a model name (digits_cnn, digits_cnn_wide; pretrained weights) or a file saved by '
                         'tinycomp.io.save (default %(default)s)')
-    p.add_argument('--batch', type=_count_arg, default=64, metavar='N', help='batch size (default %(default)s)')
+    p.add_argument('--batch', type=positive_int, default=64, metavar='N', help='batch size (default %(default)s)')
     p.add_argument('--threads', type=threads_arg, default=None, metavar='N',
                    help='threads for Numba and BLAS, 1 to the number of cores (default: leave as is)')
     p.add_argument('--out', default='tinycomp_profile', metavar='DIR', help='output directory (default %(default)s)')
@@ -494,7 +488,7 @@ def add_cli(subparsers):
     p.add_argument('--roofline', action='store_true', help='also draw the roofline to roofline.png')
     p.add_argument('--sweep', choices=('batch', 'threads'), default=None,
                    help='also sweep batch sizes (1 to 256) or thread counts (1 to the cores), table and plot')
-    p.add_argument('--repeats', type=_count_arg, default=20, metavar='R', help='timed runs per measurement (default %(default)s)')
+    p.add_argument('--repeats', type=positive_int, default=20, metavar='R', help='timed runs per measurement (default %(default)s)')
     p.add_argument('--shape', type=_shape_arg, default=(1, 8, 8), metavar='C,H,W',
                    help='shape of one input sample (default 1,8,8: test digits; other shapes get random inputs)')
     p.set_defaults(func=_run_profile)

@@ -1049,7 +1049,7 @@ def format_table(title, rows) -> str:
                  "* = coefficient of variation > 10 %")
     return '\n'.join(lines)
 
-# %% ../../nbs/04c_quantized_models.ipynb #e57cd135
+# %% ../../nbs/04c_quantized_models.ipynb #a536c787
 CLI_ORDER = 45
 
 def _e2e(repeats, verbose):
@@ -1073,13 +1073,12 @@ def quant_benchmark(threads=None, json_path=None, repeats=20, verbose=True) -> d
     file size, speedups). Optionally writes JSON to `json_path`."""
     import numba
     from tinycomp.profiling.timing import set_threads, thread_info
-    from tinycomp.bench import CONV_SHAPES
     from tinycomp.quantization import kernels
     info = set_threads(threads) if threads is not None else thread_info()
     result = dict(benchmark='int8 quantization', meta=dict(threads=info, numpy=np.__version__, numba=numba.__version__,
                                                            machine=platform.machine(), repeats=repeats,
                                                            python=platform.python_version()))
-    result['conv'] = kernels.int8_conv_benchmark(shapes=CONV_SHAPES, repeats=repeats)
+    result['conv'] = kernels.int8_conv_benchmark(repeats=repeats)
     if verbose: print(kernels.format_benchmark(result['conv'])); print()
     result['digits_cnn'] = _e2e(repeats, verbose)
     if json_path:
@@ -1097,8 +1096,7 @@ def _run_quant(args):
 
 def add_bench_cli(bench_subparsers):
     "Register `tinycomp bench quant [--threads N] [--json PATH] [--repeats R]` on `tinycomp bench`'s subparsers."
-    from tinycomp.bench import positive_int
-    from tinycomp.profiling.timing import threads_arg
+    from tinycomp.profiling.timing import positive_int, threads_arg
     p = bench_subparsers.add_parser(
         'quant', help='int8 conv kernel vs float32 conv, and digits_cnn float32 vs int8 end to end',
         description='Time the integer-only int8 convolution (int8 in and out, requantization included) against '
