@@ -186,7 +186,7 @@ def quantize_layer_params(weight, bias, input_scale, output_scale, bits=8, per_c
     mult, shift = requant_multipliers(input_scale, per_out, output_scale)
     return dict(weight=np.asarray(w_q, np.int8), weight_scale=w_scale, bias=b_q.astype(np.int32), multiplier=mult, shift=shift)
 
-# %% ../../nbs/04c_quantized_models.ipynb #26183a8f
+# %% ../../nbs/04c_quantized_models.ipynb #4eef9d1d
 class _QuantizedWeighted(Module):
     "Shared buffers, checks and weight unpacking of QuantizedConv2d and QuantizedLinear."
     def _init_buffers(self, wshape, per_channel, weight_bits, input_qparams, output_qparams):
@@ -202,6 +202,13 @@ class _QuantizedWeighted(Module):
     def _qparams_config(self):
         return dict(input_scale=self.input_scale, input_zero_point=self.input_zero_point,
                     output_scale=self.output_scale, output_zero_point=self.output_zero_point)
+
+    def _quantize_from(self, float_layer):
+        "Quantize `float_layer`'s weight and bias into this layer (whose qparams are set) and return it."
+        b = float_layer.bias
+        p = quantize_layer_params(float_layer.weight.data, None if b is None else b.data, self.input_scale,
+                                  self.output_scale, self.weight_bits, self.per_channel)
+        return self._set_params(p)
 
     def _set_params(self, p):
         "Store the arrays of `quantize_layer_params`."
@@ -293,11 +300,8 @@ class QuantizedConv2d(_QuantizedWeighted):
     @classmethod
     def from_float(cls, conv, input_qparams, output_qparams, relu=False, weight_bits=8, per_channel=True):
         "A QuantizedConv2d computing `conv` (then ReLU if `relu`) between int8 tensors with the given (scale, zero_point)."
-        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-                    conv.groups, relu, weight_bits, per_channel, *input_qparams, *output_qparams)
-        p = quantize_layer_params(conv.weight.data, None if conv.bias is None else conv.bias.data,
-                                  input_qparams[0], output_qparams[0], weight_bits, per_channel)
-        return layer._set_params(p)
+        return cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                   conv.groups, relu, weight_bits, per_channel, *input_qparams, *output_qparams)._quantize_from(conv)
 
     def forward(self, x):
         xq = _int8_input(self, x, 4)
@@ -327,10 +331,8 @@ class QuantizedLinear(_QuantizedWeighted):
     @classmethod
     def from_float(cls, lin, input_qparams, output_qparams, relu=False, weight_bits=8, per_channel=True):
         "A QuantizedLinear computing `lin` (then ReLU if `relu`) between int8 tensors with the given (scale, zero_point)."
-        layer = cls(lin.in_features, lin.out_features, relu, weight_bits, per_channel, *input_qparams, *output_qparams)
-        p = quantize_layer_params(lin.weight.data, None if lin.bias is None else lin.bias.data,
-                                  input_qparams[0], output_qparams[0], weight_bits, per_channel)
-        return layer._set_params(p)
+        return cls(lin.in_features, lin.out_features, relu, weight_bits, per_channel, *input_qparams,
+                   *output_qparams)._quantize_from(lin)
 
     def forward(self, x):
         xq = _int8_input(self, x, 2)
