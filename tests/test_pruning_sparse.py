@@ -94,7 +94,8 @@ def test_check_csr_row_boundaries_are_not_violations():
 # ---------------------------------------------------------------- products
 @pytest.mark.parametrize('m, k, n, density, block', [(1, 1, 1, 1.0, 512), (7, 5, 3, 0.5, 512), (37, 50, 1037, 0.2, 512),
                                                     (37, 50, 1037, 0.2, 7), (64, 33, 64, 0.1, 64), (16, 40, 513, 0.9, 512),
-                                                    (10, 12, 5, 0.0, 4)])
+                                                    (10, 12, 5, 0.0, 4),
+                                                    (20, 70, 100, 0.3, 16), (21, 70, 128, 0.3, 512), (5, 9, 130, 0.5, 512)])
 def test_csr_matmul_naive_and_fast_match_dense(m, k, n, density, block):
     rng = np.random.default_rng(m * 1000 + n)
     a = sparse_matrix(rng, m, k, density)
