@@ -109,11 +109,33 @@ def _csr_mm_inputs(rng):
 
 def _run_csr_mm(ns, i): return {'y': arr(ns.csr_matmul(i['indptr'], i['indices'], i['data'], i['x']))}
 
-# %% ../../nbs/checks/05_pruning.ipynb #a65fbb50
+# %% ../../nbs/checks/05_pruning.ipynb #c840d677
+def _agp_inputs(kind):
+    def make(rng):
+        si, sf = float(rng.uniform(0, 0.3)), float(rng.uniform(0.6, 0.95))
+        start, n = int(rng.integers(2, 6)), int(rng.integers(3, 7))
+        freq = 1 if kind == 'every_step' else int(rng.integers(2, 5))
+        return {'steps': np.arange(0, start + (n + 2) * freq), 'initial': np.array(si), 'final': np.array(sf),
+                'start': np.array(start), 'n_steps': np.array(n), 'frequency': np.array(freq)}
+    return make
+
+def _run_agp(ns, i):
+    vals = [ns.agp_sparsity(int(t), float(i['initial']), float(i['final']), int(i['start']), int(i['n_steps']),
+                            int(i['frequency'])) for t in i['steps']]
+    return {'sparsity': np.array(vals, np.float64)}
+
+def _movement_inputs(rng):
+    shape = (int(rng.integers(2, 5)), int(rng.integers(2, 6)))
+    return {'scores': f32(rng, *shape), 'weight': f32(rng, *shape), 'grad': f32(rng, *shape)}
+
+def _run_movement(ns, i):
+    return {'scores': arr(ns.movement_scores_update(i['scores'].copy(), i['weight'], i['grad']))}
+
+# %% ../../nbs/checks/05_pruning.ipynb #6c78341e
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
 MODULE = ModuleSpec('05', 'pruning', reference=(
-    'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse'), checks=[
+    'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.recipes'), checks=[
     Check('l1_unstructured', 'fraction_ties', 2, _l1_inputs('fraction'), _run_l1, **_EXACT),
     Check('l1_unstructured', 'count', 1, _l1_inputs('count'), _run_l1, **_EXACT),
     Check('global_unstructured', 'three_layers', 2, _global_inputs, _run_global, **_EXACT),
@@ -126,4 +148,7 @@ MODULE = ModuleSpec('05', 'pruning', reference=(
     Check('slice_conv_bn_next', 'linear_next', 2, _slice_inputs('linear'), _run_slice, exact_dtype=True),
     Check('to_csr', 'empty_rows', 2, _csr_inputs, _run_csr, **_EXACT),
     Check('csr_matmul', 'rectangular', 2, _csr_mm_inputs, _run_csr_mm, exact_dtype=True),
+    Check('agp_sparsity', 'every_step', 1, _agp_inputs('every_step'), _run_agp),
+    Check('agp_sparsity', 'staircase', 1, _agp_inputs('staircase'), _run_agp),
+    Check('movement_scores_update', 'signs', 2, _movement_inputs, _run_movement, exact_dtype=True),
 ])

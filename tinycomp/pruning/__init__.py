@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../../nbs/95b_pruning.ipynb #365fdd23
+# %% ../../nbs/95b_pruning.ipynb #ca0b99d6
 import importlib
 
 _PARTS = {
@@ -15,7 +15,9 @@ _PARTS = {
     'structured': ('IMPORTANCES', 'channel_importance', 'channels_to_keep', 'slice_conv_bn_next', 'channel_dependencies',
                    'channel_plan', 'prune_channels'),
     'sparse': ('to_csr', 'csr_to_dense', 'check_csr', 'csr_matmul', 'csr_matmul_fast', 'SparseLinear', 'SparseConv2d',
-               'sparse_conv2d')}
+               'sparse_conv2d'),
+    'recipes': ('agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune', 'sensitivity_scan',
+                'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'compress_to_size', 'prune_benchmark')}
 _PART_OF = {name: part for part, names in _PARTS.items() for name in names}
 
 def __getattr__(name):
