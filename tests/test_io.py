@@ -369,3 +369,12 @@ def test_a_notebooks_own_version_of_a_layer_saves_as_the_package_layer(tmp_path)
     Linear.__module__, Linear.__qualname__ = '__main__', 'Linear'      # as a notebook defines it
     back = tio.load(tio.save(Sequential(Linear()), tmp_path / 'nb.npz'))
     assert type(back[0]) is tfiles.LAYERS['Linear'] and np.array_equal(back[0].weight.data, np.full((2, 3), 0.5, np.float32))
+
+
+def test_the_package_class_replaces_a_notebooks_earlier_registration(restore_layers):
+    "nbdev_test runs several notebooks in one process: a notebook may register its layer before the package does."
+    mine = type('Scale7', (), {'config': lambda self: {}, '__module__': '__main__'})
+    package = type('Scale7', (), {'config': lambda self: {}, '__module__': 'tinycomp.somewhere'})
+    tfiles.register_layer(mine)
+    assert tfiles.register_layer(package) is package and tfiles.LAYERS['Scale7'] is package
+    assert tfiles.register_layer(mine) is mine and tfiles.LAYERS['Scale7'] is package       # and it stays

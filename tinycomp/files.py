@@ -54,7 +54,8 @@ def register_layer(cls=None, *, name=None, container=False):
         if old is not cls:
             if old.__qualname__ == cls.__qualname__ and cls.__module__ == '__main__':
                 return cls          # a notebook redefining a tinycomp layer: files keep naming the package's class
-            if (old.__qualname__, old.__module__) != (cls.__qualname__, cls.__module__):
+            notebook_first = old.__qualname__ == cls.__qualname__ and old.__module__ == '__main__'
+            if not notebook_first and (old.__qualname__, old.__module__) != (cls.__qualname__, cls.__module__):
                 raise TinycompError(f"layer type name {key!r} is already registered for {old.__module__}."
                                     f"{old.__qualname__}; pick another name")
         LAYERS[key] = cls           # new, or the same class again (a module reloaded)
