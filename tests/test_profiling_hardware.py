@@ -279,3 +279,15 @@ def test_profile_output_is_git_ignored():
     assert 'tinycomp_profile/' in (repo / '.gitignore').read_text().splitlines()
     if (repo / '.git').exists():
         assert subprocess.run(['git', 'check-ignore', '-q', 'tinycomp_profile/operator_profile.csv'], cwd=repo).returncode == 0
+
+
+def test_variant_table():
+    "Measured variants against the first row: Δacc in points, file ratio, speedup = baseline / this latency."
+    from tinycomp.profiling.hardware import variant_table
+    lat = lambda ms, noisy=False: {1: dict(median=ms * 1e-3, noisy=noisy), 64: dict(median=10 * ms * 1e-3, noisy=False)}
+    rows = [dict(name='float32', accuracy=0.99, weights=100, file_bytes=400, latency=lat(2.0)),
+            dict(name='int8', accuracy=0.985, weights=100, file_bytes=100, latency=lat(0.5, noisy=True))]
+    text = variant_table(rows, 'title', note='a note')
+    lines = text.splitlines()
+    assert lines[0] == 'title' and 'x float32' in lines[1] and lines[-1].endswith('; a note')
+    assert lines[3].split() == ['int8', '98.50%', '-0.50', '100', '100', '0.25', '0.500*', '4.00', '5.000', '4.00']

@@ -18,7 +18,7 @@ _all_ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh
          'xavier_normal_', 'xavier_uniform_', 'zeros_']
 
 # %% ../../nbs/94_nn.ipynb #f901f556
-from .functional import _lazy_from_conv
+from .functional import _lazy_attributes
 
 _CONV_LAYERS = ('Conv2d', 'MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d', 'BatchNorm2d')
-__getattr__, __dir__ = _lazy_from_conv(_CONV_LAYERS, globals())
+__getattr__, __dir__ = _lazy_attributes(dict.fromkeys(_CONV_LAYERS, 'tinycomp.conv'), globals())

@@ -88,16 +88,18 @@ def dropout(input, p=0.5, training=True) -> Tensor:
     return x * mask
 
 # %% ../../nbs/01b_functional.ipynb #f81f3145
-def _lazy_from_conv(names, namespace):
-    "`(__getattr__, __dir__)` for a module whose `names` are imported from `tinycomp.conv` on first use (PEP 562)."
+def _lazy_attributes(sources, namespace):
+    """`(__getattr__, __dir__)` (PEP 562) for a module whose names are imported on first use: `sources` maps each name
+    to the module that defines it (a name equal to that module's last component is the module itself)."""
     def __getattr__(name):
-        if name in names:
-            import importlib
-            value = namespace[name] = getattr(importlib.import_module('tinycomp.conv'), name)
-            return value
-        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
-    def __dir__(): return sorted(set(namespace) | set(names))
+        where = sources.get(name)
+        if where is None: raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        import importlib
+        module = importlib.import_module(where)
+        value = namespace[name] = module if where.rsplit('.', 1)[-1] == name else getattr(module, name)
+        return value
+    def __dir__(): return sorted(set(namespace) | set(sources))
     return __getattr__, __dir__
 
 _CONV_FUNCTIONS = ('conv2d', 'max_pool2d', 'avg_pool2d', 'adaptive_avg_pool2d', 'batch_norm')
-__getattr__, __dir__ = _lazy_from_conv(_CONV_FUNCTIONS, globals())
+__getattr__, __dir__ = _lazy_attributes(dict.fromkeys(_CONV_FUNCTIONS, 'tinycomp.conv'), globals())

@@ -9,7 +9,7 @@ __all__ = ['timing', 'counting', 'hardware', 'blas_threads', 'check_threads', 'l
            'attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound', 'build_hardware_profile',
            'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'load_model', 'machine_roof',
            'measure_bandwidth', 'measure_peak_flops', 'peak_memory_mb', 'plot_batch_sweep', 'plot_thread_sweep',
-           'ridge_point', 'roofline', 'thread_sweep', 'write_hardware_profile_artifacts']
+           'ridge_point', 'roofline', 'thread_sweep', 'variant_table', 'write_hardware_profile_artifacts']
 
 # %% ../../nbs/95_profiling.ipynb #79eef8e1
 from .timing import (
@@ -20,7 +20,7 @@ from .counting import (
 from .hardware import (
     attainable_flops, auto_adjust_batch_size, batch_sweep, bound, build_hardware_profile, estimate_batch_memory_mb,
     format_table, knee, largest_batch, load_model, machine_roof, measure_bandwidth, measure_peak_flops,
-    peak_memory_mb, plot_batch_sweep, plot_thread_sweep, ridge_point, roofline, thread_sweep,
+    peak_memory_mb, plot_batch_sweep, plot_thread_sweep, ridge_point, roofline, thread_sweep, variant_table,
     write_hardware_profile_artifacts)
 from . import counting, hardware, timing
 
@@ -32,4 +32,4 @@ _all_ = ['timing', 'counting', 'hardware',
          'attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound', 'build_hardware_profile',
          'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'load_model', 'machine_roof',
          'measure_bandwidth', 'measure_peak_flops', 'peak_memory_mb', 'plot_batch_sweep', 'plot_thread_sweep',
-         'ridge_point', 'roofline', 'thread_sweep', 'write_hardware_profile_artifacts']
+         'ridge_point', 'roofline', 'thread_sweep', 'variant_table', 'write_hardware_profile_artifacts']

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CLI_ORDER', 'measure_peak_flops', 'measure_bandwidth', 'attainable_flops', 'ridge_point', 'bound', 'machine_roof',
-           'roofline', 'format_table', 'peak_memory_mb', 'estimate_batch_memory_mb', 'largest_batch',
+           'roofline', 'format_table', 'variant_table', 'peak_memory_mb', 'estimate_batch_memory_mb', 'largest_batch',
            'auto_adjust_batch_size', 'knee', 'batch_sweep', 'plot_batch_sweep', 'thread_sweep', 'plot_thread_sweep',
            'build_hardware_profile', 'write_hardware_profile_artifacts', 'load_model', 'add_cli']
 
@@ -156,6 +156,28 @@ def format_table(rows, columns) -> str:
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, (_, h, _) in enumerate(columns)]
     line = lambda cells: '  '.join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return '\n'.join([line([h for _, h, _ in columns])] + [line(b) for b in body])
+
+def variant_table(rows, title=None, note='') -> str:
+    """Measured variants of a model against rows[0] (the baseline), as a `format_table`: rows {'name', 'accuracy',
+    'weights', 'file_bytes', 'latency': {batch: {'median', 'noisy'}}}. Δacc in points, file size as a ratio,
+    speedup = baseline median latency / this row's (> 1 is faster); a * marks a coefficient of variation > 10 %."""
+    base = rows[0]
+    batches = list(base['latency'])
+    table = []
+    for r in rows:
+        t = dict(name=r['name'], acc=r['accuracy'], dacc=(r['accuracy'] - base['accuracy']) * 100, weights=r['weights'],
+                 bytes=r['file_bytes'], ratio=r['file_bytes'] / base['file_bytes'])
+        for b in batches:
+            lat = r['latency'][b]
+            t[f'ms{b}'] = f"{lat['median'] * 1e3:.3f}{'*' if lat['noisy'] else ''}"
+            t[f'x{b}'] = base['latency'][b]['median'] / lat['median']
+        table.append(t)
+    columns = [('name', 'variant', ''), ('acc', 'test acc', '.2%'), ('dacc', 'Δacc', '+.2f'), ('weights', 'weights', 'd'),
+               ('bytes', 'file bytes', 'd'), ('ratio', f"x {base['name']}", '.2f')]
+    for b in batches: columns += [(f'ms{b}', f'b{b} ms', ''), (f'x{b}', f'b{b} speedup', '.2f')]
+    legend = (f"Δacc in points against {base['name']}; speedup = {base['name']} median latency / this model's (>1 = faster); "
+              f"* = coefficient of variation > 10 %" + (f"; {note}" if note else ''))
+    return '\n'.join(([title] if title else []) + [format_table(table, columns), legend])
 
 # %% ../../nbs/03c_hardware.ipynb #ed28f2e6
 def _as_input(x):

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = []
 
-# %% ../../nbs/95b_pruning.ipynb #ca0b99d6
-import importlib
+# %% ../../nbs/95b_pruning.ipynb #6f226268
+from ..nn.functional import _lazy_attributes
 
 _PARTS = {
     'masks': ('PRUNE_METHODS', 'l1_unstructured', 'random_unstructured', 'global_unstructured', 'slice_norms',
@@ -18,16 +18,8 @@ _PARTS = {
                'sparse_conv2d'),
     'recipes': ('agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune', 'sensitivity_scan',
                 'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'compress_to_size', 'prune_benchmark')}
-_PART_OF = {name: part for part, names in _PARTS.items() for name in names}
+__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.pruning.{part}" for part in _PARTS},
+                                         **{name: f"tinycomp.pruning.{part}" for part, names in _PARTS.items() for name in names}},
+                                        globals())
 
-def __getattr__(name):
-    "Import the part that defines `name` on first use (so importing one part does not import the others)."
-    if name in _PARTS: return importlib.import_module(f"{__name__}.{name}")
-    if name not in _PART_OF: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_PART_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-def __dir__(): return sorted(set(globals()) | set(_PART_OF) | set(_PARTS))
-
-__all__ = list(_PARTS) + list(_PART_OF)   # for `from tinycomp.pruning import *`
+__all__ = list(_PARTS) + [name for names in _PARTS.values() for name in names]   # for `from tinycomp.pruning import *`

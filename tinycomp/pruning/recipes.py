@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['CLI_ORDER', 'agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune',
            'sensitivity_scan', 'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'file_bytes',
-           'compress_to_size', 'stored_weights', 'pruned_models', 'model_table', 'format_model_table', 'acceptance',
-           'prune_benchmark', 'add_bench_cli']
+           'compress_to_size', 'stored_weights', 'pruned_models', 'model_table', 'acceptance', 'prune_benchmark',
+           'add_bench_cli']
 
-# %% ../../nbs/05d_recipes.ipynb #fc1737fa
+# %% ../../nbs/05d_recipes.ipynb #3ee8fac6
 import copy
 import json
 import platform
@@ -28,6 +28,7 @@ from ..nn.functional import cross_entropy
 from .masks import MaskedConv2d, MaskedLinear, prune, make_permanent, sparsity, prunable_layers
 from .structured import prune_channels
 from .sparse import SparseConv2d, SparseLinear, sparse_benchmark, format_sparse_benchmark, crossover_density
+from ..profiling.hardware import variant_table
 
 # %% ../../nbs/05d_recipes.ipynb #104d2af4
 def _check_agp(step, initial_sparsity, final_sparsity, start_step, n_steps, frequency):
@@ -58,7 +59,7 @@ def agp_sparsity(step, initial_sparsity, final_sparsity, start_step, n_steps, fr
     return float(final_sparsity + (initial_sparsity - final_sparsity) * (1.0 - k / n_steps) ** 3)
     ### END SOLUTION
 
-# %% ../../nbs/05d_recipes.ipynb #49cafdfa
+# %% ../../nbs/05d_recipes.ipynb #ceadd244
 def _loader_len(loader):
     try: return max(1, len(loader))
     except TypeError: return max(1, sum(1 for _ in loader))
@@ -85,6 +86,30 @@ def _masked_copy(model, layers):
     if not isinstance(model, Module): raise TinycompError(f"model must be a tinycomp Module, got {type(model).__name__}")
     return prune(model, 0.0, 'l1', layers)          # masked layers, nothing pruned yet (already-masked layers keep their masks)
 
+def _train_on_schedule(work, train_loader, optimizers, set_sparsity, schedule, epochs, val_loader, progress, desc):
+    """Train `work` with `train_epochs`, calling `set_sparsity(target)` at each step of the AGP `schedule` (the
+    arguments of `agp_sparsity` after `step`) whose target is above the current one, and with the final sparsity at
+    the end. Returns the history with 'prune_steps' [(step, sparsity)]."""
+    agp_sparsity(0, *schedule)                                       # checks the arguments before any training
+    start_step, frequency = schedule[2], schedule[4]
+    state, events = dict(step=0, current=-1.0), []
+    def reprune(target):
+        if target > state['current']:
+            set_sparsity(target)
+            state['current'] = target
+            events.append((state['step'], target))
+    def step(batch):
+        t = state['step']
+        if t >= start_step and (t - start_step) % frequency == 0: reprune(agp_sparsity(t, *schedule))
+        state['step'] += 1
+        xb, yb = batch
+        logits = work(Tensor(xb))
+        return cross_entropy(logits, yb), logits, yb, {}
+    history = train_epochs(work, lambda: iter(train_loader), step, optimizers, val_loader, epochs, progress=progress, desc=desc)
+    reprune(float(schedule[1]))
+    history['prune_steps'] = events
+    return history
+
 def prune_with_agp(model, train_loader, final_sparsity, epochs, method='global', initial_sparsity=0.0, layers=None,
                    frequency=None, start_step=0, n_steps=None, lr=1e-3, val_loader=None, seed=0, progress=False):
     """A new masked model: `model` (untouched) pruned gradually to `final_sparsity` with the AGP schedule while it is
@@ -96,28 +121,11 @@ def prune_with_agp(model, train_loader, final_sparsity, epochs, method='global',
     work = _masked_copy(model, layers)
     per_epoch = _loader_len(train_loader)
     frequency, start_step, n_steps = _schedule_args(epochs, per_epoch, frequency, start_step, n_steps)
-    agp_sparsity(0, initial_sparsity, final_sparsity, start_step, n_steps, frequency)       # checks the arguments
+    schedule = (initial_sparsity, final_sparsity, start_step, n_steps, frequency)
     manual_seed(seed)
     opt = Adam(work.parameters(), lr=lr)
-    state = dict(step=0, current=-1.0)
-    events = []
-    def reprune(target):
-        if target > state['current']:
-            _copy_masks(work, prune(work, target, method, layers), layers)
-            state['current'] = target
-            events.append((state['step'], target))
-    def step(batch):
-        t = state['step']
-        if t >= start_step and (t - start_step) % frequency == 0:
-            reprune(agp_sparsity(t, initial_sparsity, final_sparsity, start_step, n_steps, frequency))
-        state['step'] += 1
-        xb, yb = batch
-        logits = work(Tensor(xb))
-        return cross_entropy(logits, yb), logits, yb, {}
-    history = train_epochs(work, lambda: iter(train_loader), step, [opt], val_loader, epochs, progress=progress,
-                           desc='AGP pruning')
-    reprune(float(final_sparsity))
-    history['prune_steps'] = events
+    set_sparsity = lambda target: _copy_masks(work, prune(work, target, method, layers), layers)
+    history = _train_on_schedule(work, train_loader, [opt], set_sparsity, schedule, epochs, val_loader, progress, 'AGP pruning')
     return _finalize(work), history
 
 # %% ../../nbs/05d_recipes.ipynb #8c71cfa5
@@ -155,7 +163,7 @@ def movement_scores_update(scores, weight, grad) -> np.ndarray:
     return (s.astype(np.float32) - w.astype(np.float32) * g.astype(np.float32)).astype(np.float32)
     ### END SOLUTION
 
-# %% ../../nbs/05d_recipes.ipynb #dbbbf0a4
+# %% ../../nbs/05d_recipes.ipynb #35b44c5d
 class _ScoreAccumulator:
     "Listed first among `train_epochs`' optimizers: its `step` runs after backward and before Adam's step."
     def __init__(self, layers, opt):
@@ -194,31 +202,17 @@ def movement_prune(model, train_loader, final_sparsity, epochs, scope='global', 
     per_epoch = _loader_len(train_loader)
     freq0 = int(frequency) if frequency is not None else max(1, per_epoch // 4)
     frequency, start_step, n_steps = _schedule_args(epochs, per_epoch, freq0, freq0 if start_step is None else start_step, n_steps)
-    agp_sparsity(0, initial_sparsity, final_sparsity, start_step, n_steps, frequency)
+    schedule = (initial_sparsity, final_sparsity, start_step, n_steps, frequency)
     manual_seed(seed)
     targets = [m for _, m in prunable_layers(work, layers)]
     opt = Adam(work.parameters(), lr=lr)
     acc = _ScoreAccumulator(targets, opt)
-    state = dict(step=0, current=-1.0)
-    events = []
-    def reprune(target):
-        if target > state['current']:
-            masks = _topk_masks(acc.scores, [m.weight_mask for m in targets], target, scope)
-            for m, mask in zip(targets, masks): m.set_mask(mask * m.weight_mask)
-            state['current'] = target
-            events.append((state['step'], target))
-    def step(batch):
-        t = state['step']
-        if t >= start_step and (t - start_step) % frequency == 0:
-            reprune(agp_sparsity(t, initial_sparsity, final_sparsity, start_step, n_steps, frequency))
-        state['step'] += 1
-        xb, yb = batch
-        logits = work(Tensor(xb))
-        return cross_entropy(logits, yb), logits, yb, {}
-    history = train_epochs(work, lambda: iter(train_loader), step, [acc, opt], val_loader, epochs, progress=progress,
-                           desc='movement pruning')
-    reprune(float(final_sparsity))
-    history['prune_steps'], history['scores'] = events, acc.scores
+    def set_sparsity(target):
+        masks = _topk_masks(acc.scores, [m.weight_mask for m in targets], target, scope)
+        for m, mask in zip(targets, masks): m.set_mask(mask * m.weight_mask)
+    history = _train_on_schedule(work, train_loader, [acc, opt], set_sparsity, schedule, epochs, val_loader, progress,
+                                 'movement pruning')
+    history['scores'] = acc.scores
     return _finalize(work), history
 
 # %% ../../nbs/05d_recipes.ipynb #e3265c89
@@ -352,7 +346,7 @@ def compress_to_size(model, target_bytes, data, calibration=None, train_loader=N
                             "or channel removal, or pass calibration images to try int8/int4")
     return best[1], dict(chosen=best[2], candidates=report)
 
-# %% ../../nbs/05d_recipes.ipynb #6987a80c
+# %% ../../nbs/05d_recipes.ipynb #e02ed511
 CLI_ORDER = 46
 
 def stored_weights(model) -> int:
@@ -392,21 +386,6 @@ def model_table(models, repeats=20) -> list:
                  latency={}) for n, m in models.items()]
     _time_models(list(models.values()), rows, X, repeats)
     return rows
-
-def format_model_table(rows) -> str:
-    "The rows of `model_table` as text, ratios against rows[0]."
-    base = rows[0]
-    head = (f"{'variant':34s}{'test acc':>9s}{'Δacc':>7s}{'weights':>9s}{'file bytes':>11s}{'x':>6s}"
-            f"{'b1 ms':>8s}{'speedup':>8s}{'b64 ms':>8s}{'speedup':>8s}")
-    lines = [head, '-' * len(head)]
-    for r in rows:
-        lat = ''.join(f"{r['latency'][b]['median'] * 1e3:7.3f}{'*' if r['latency'][b]['noisy'] else ' '}"
-                      f"{base['latency'][b]['median'] / r['latency'][b]['median']:7.2f}x" for b in (1, 64))
-        lines.append(f"{r['name']:34s}{r['accuracy']:9.2%}{(r['accuracy'] - base['accuracy']) * 100:+7.2f}{r['weights']:9d}"
-                     f"{r['file_bytes']:11d}{r['file_bytes'] / base['file_bytes']:6.2f}" + lat)
-    lines.append("Δacc in points against dense; weights = stored weight values (nonzeros for sparse layers); speedup = "
-                 "dense median latency / this model's (>1 = faster); * = coefficient of variation > 10 %")
-    return '\n'.join(lines)
 
 def acceptance(rows) -> dict:
     "Issue 12's acceptance figures for the model part, from `model_table` rows: {check: (value, passed)}."
@@ -449,7 +428,7 @@ def prune_benchmark(threads=None, json_path=None, repeats=10, verbose=True, stru
     if verbose:
         print(f"digits_cnn_wide, test split; threads: {thread_info()['numba']} numba, {thread_info()['blas']} blas; "
               f"pruning + fine-tuning took {result['prune_seconds']:.1f} s; median of {repeats}")
-        print(format_model_table(rows))
+        print(variant_table(rows, note='weights = stored weight values (nonzeros for sparse layers)'))
         for k, (v, p) in acceptance(rows).items(): print(f"  {k:40s} {v:8.3f}  {'PASS' if p else 'FAIL'}")
     if json_path:
         with open(json_path, 'w') as fh: json.dump(result, fh, indent=1, default=_json_default)

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = []
 
-# %% ../../nbs/95a_quantization.ipynb #5e2a9eee
-import importlib
+# %% ../../nbs/95a_quantization.ipynb #2ca785ee
+from ..nn.functional import _lazy_attributes
 
 _PARTS = {
     'core': ('QUANT_DTYPES', 'KLObserver', 'MSEObserver', 'MinMaxObserver', 'MovingAverageMinMaxObserver', 'Observer',
@@ -20,16 +20,8 @@ _PARTS = {
                'layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'model_bytes', 'plot_quantization_histograms',
                'precision_plan', 'prepare_qat', 'quant_benchmark', 'quantization_report', 'quantize_dynamic',
                'quantize_static', 'simulate')}
-_PART_OF = {name: part for part, names in _PARTS.items() for name in names}
+__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.quantization.{part}" for part in _PARTS},
+                                         **{name: f"tinycomp.quantization.{part}" for part, names in _PARTS.items() for name in names}},
+                                        globals())
 
-def __getattr__(name):
-    "Import the part that defines `name` on first use (so importing one part does not import the others)."
-    if name in _PARTS: return importlib.import_module(f"{__name__}.{name}")
-    if name not in _PART_OF: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_PART_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-def __dir__(): return sorted(set(globals()) | set(_PART_OF) | set(_PARTS))
-
-__all__ = list(_PARTS) + list(_PART_OF)   # for `from tinycomp.quantization import *`
+__all__ = list(_PARTS) + [name for names in _PARTS.values() for name in names]   # for `from tinycomp.quantization import *`

@@ -9,10 +9,10 @@ __all__ = ['WEIGHT_BITS', 'SUPPORTED_LAYERS', 'CLI_ORDER', 'QuantStub', 'DeQuant
            'HalfLinear', 'quantization_plan', 'calibrate', 'build_quantized', 'quantize_static', 'model_bytes',
            'quantize_dynamic', 'FakeQuantize', 'prepare_qat', 'convert', 'FixedFakeQuantize', 'simulate', 'int8_output',
            'lsb_agreement', 'match_ops', 'QuantizationReport', 'quantization_report', 'plot_quantization_histograms',
-           'count_weights', 'layer_sensitivity', 'precision_plan', 'mixed_precision', 'measure_model', 'format_table',
+           'count_weights', 'layer_sensitivity', 'precision_plan', 'mixed_precision', 'measure_model',
            'quant_benchmark', 'add_bench_cli']
 
-# %% ../../nbs/04c_quantized_models.ipynb #e4ebba0f
+# %% ../../nbs/04c_quantized_models.ipynb #c62566c3
 import copy
 import json
 import platform
@@ -34,6 +34,7 @@ from .core import (MinMaxObserver, MovingAverageMinMaxObserver, calculate_qparam
                                         qrange, quantize_multiplier, quantize_per_channel, quantize_per_tensor,
                                         sqnr, unpack_int4)
 from ..profiling.counting import conv2d_flops, layer_cost
+from ..profiling.hardware import variant_table
 from .kernels import (int8_matmul, pack_conv_weights, quantized_adaptive_avg_pool2d,
                                            quantized_conv2d, quantized_linear, quantized_max_pool2d)
 
@@ -1018,7 +1019,7 @@ def mixed_precision(model, calibration, data, size_budget_bytes, observer=MinMax
         current = size(choice)
     return build_quantized(ops, in_qp, out_qp, choice, per_channel)
 
-# %% ../../nbs/04c_quantized_models.ipynb #0b8da381
+# %% ../../nbs/04c_quantized_models.ipynb #28660d19
 def measure_model(model, test, path, repeats=20, batches=(1, 64)) -> dict:
     """Accuracy on `test` = (X, y), weights, bytes of the file written to `path` by `tinycomp.io.save`, and latency
     (`time_fn` median and p90, seconds) of one forward pass at each batch size in `batches`."""
@@ -1036,22 +1037,7 @@ def measure_model(model, test, path, repeats=20, batches=(1, 64)) -> dict:
         row['latency'][b] = dict(median=t['median'], p90=t['p90'], noisy=t['noisy'])
     return row
 
-def format_table(title, rows) -> str:
-    "A measured table: rows {'name', 'accuracy', 'weights', 'file_bytes', 'latency' {1: .., 64: ..}} against rows[0] (float32)."
-    base = rows[0]
-    head = (f"{'variant':26s}{'test acc':>9s}{'Δacc':>7s}{'weights':>9s}{'file bytes':>11s}{'x f32':>7s}"
-            f"{'b1 ms':>8s}{'speedup':>8s}{'b64 ms':>8s}{'speedup':>8s}")
-    lines = [title, head, '-' * len(head)]
-    for r in rows:
-        lat = ''.join(f"{r['latency'][b]['median'] * 1e3:7.3f}{'*' if r['latency'][b]['noisy'] else ' '}"
-                      f"{base['latency'][b]['median'] / r['latency'][b]['median']:7.2f}x" for b in (1, 64))
-        lines.append(f"{r['name']:26s}{r['accuracy']:9.2%}{(r['accuracy'] - base['accuracy']) * 100:+7.2f}{r['weights']:9d}"
-                     f"{r['file_bytes']:11d}{r['file_bytes'] / base['file_bytes']:7.2f}" + lat)
-    lines.append("Δacc in points against float32; speedup = float32 median latency / this model's (>1 = faster); "
-                 "* = coefficient of variation > 10 %")
-    return '\n'.join(lines)
-
-# %% ../../nbs/04c_quantized_models.ipynb #a536c787
+# %% ../../nbs/04c_quantized_models.ipynb #29443865
 CLI_ORDER = 45
 
 def _e2e(repeats, verbose):
@@ -1065,8 +1051,8 @@ def _e2e(repeats, verbose):
     res = dict(float32=f, int8=i8, file_ratio=i8['file_bytes'] / f['file_bytes'],
                speedup={b: f['latency'][b]['median'] / i8['latency'][b]['median'] for b in (1, 64)})
     if verbose:
-        print(format_table(f"digits_cnn end to end, test split ({len(y)} images), median of {repeats}",
-                           [dict(name='float32', **f), dict(name='static int8 per-channel', **i8)]))
+        print(variant_table([dict(name='float32', **f), dict(name='static int8 per-channel', **i8)],
+                            f"digits_cnn end to end, test split ({len(y)} images), median of {repeats}"))
     return res
 
 def quant_benchmark(threads=None, json_path=None, repeats=20, verbose=True) -> dict:
