@@ -419,3 +419,26 @@ def test_unavailable_level_is_refused(monkeypatch):
     np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 0),         # auto: the loops
                                   quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 0))
     assert K.pack_conv_weights(wq).level == 'loops'
+
+
+def test_drivers_come_from_numbas_cache_in_a_new_process():
+    "The int8 drivers are closures; keyed by variant, a second process loads them instead of compiling them again."
+    import subprocess, sys, textwrap
+    code = textwrap.dedent('''
+        import numpy as np
+        from tinycomp.quantization import kernels
+        rng = np.random.default_rng(0)
+        x = rng.integers(-128, 128, (1, 8, 6, 6)).astype(np.int8)
+        w = rng.integers(-127, 128, (16, 8, 3, 3)).astype(np.int8)
+        level = kernels.KERNEL_LEVELS[0]
+        if level != 'loops':
+            kernels.quantized_conv2d(x, 0, w, np.zeros(16, np.int32), np.full(16, 1 << 30, np.int32), np.full(16, -8, np.int32),
+                                     0, padding=1)
+            used = [d for pair in kernels._DRIVERS[level].values() for d in pair if d.signatures]
+            print(sum(sum(d.stats.cache_hits.values()) for d in used), sum(sum(d.stats.cache_misses.values()) for d in used), len(used))
+        else: print(1, 0, 1)
+    ''')
+    run = lambda: subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split()
+    run()                                                       # compiles (or loads) and saves
+    hits, misses, used = map(int, run())
+    assert used >= 1 and hits >= 1 and misses == 0, (hits, misses, used)

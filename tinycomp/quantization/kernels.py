@@ -8,7 +8,8 @@ __all__ = ['MAX_REDUCTION', 'KERNEL_LEVELS', 'HAS_VNNI', 'HAS_AVX2', 'PARALLEL_M
            'quantized_linear', 'quantized_max_pool2d', 'quantized_adaptive_avg_pool2d', 'int8_conv_benchmark',
            'format_benchmark']
 
-# %% ../../nbs/04b_int8_kernels.ipynb #88ebfb8e
+# %% ../../nbs/04b_int8_kernels.ipynb #605e4e4e
+import hashlib
 import os
 import platform
 from typing import NamedTuple
@@ -379,7 +380,7 @@ def _pixel_offsets(n_, oh, ow, hp, wp, cp, sh, sw, np_, cout):
         base[p] = base[0]                     # the last call computes a few spare pixels, never written
     return base, obase
 
-# %% ../../nbs/04b_int8_kernels.ipynb #8b97913d
+# %% ../../nbs/04b_int8_kernels.ipynb #af8fe2b6
 @njit(cache=True, inline='always')
 def _requant_rows(tile, rows, lanes, lp, ozp, qmin, qmax, r8):
     """Requantize `rows` rows of `lanes` int32 accumulators: lp[0] bias (added with int32 wrap-around, exact as the
@@ -466,7 +467,22 @@ def _make_driver(isa, mv):
             chunk(ch, xf, cgp * xp.itemsize, wf, base, obase, koff, lp, ozp, qmin, qmax, groups, coutg, ohw, of, tile, r8)
         return out
 
+    for driver in (run_serial, run_parallel): _cache_by_variant(driver, f"{isa}-{mv}", chunk)
     return run_serial, run_parallel
+
+def _cache_by_variant(dispatcher, variant, *inner):
+    """Make Numba's on-disk cache find a driver again in the next process. Numba keys a closure by pickling its cells,
+    and a pickled dispatcher (`chunk` here) carries a random uuid, so every process compiled the drivers again (about
+    5 s before the first int8 inference). Key them by (ISA, MV) and the bytecode of the inner functions instead; the
+    cache is still dropped when this file changes."""
+    from numba.core.caching import FunctionCache
+    codes = b''.join(f.py_func.__code__.co_code for f in inner)
+    class VariantCache(FunctionCache):
+        def _index_key(self, sig, codegen):
+            key = super()._index_key(sig, codegen)
+            return key[:2] + ((key[2][0], hashlib.sha256(variant.encode() + codes).hexdigest()),)
+    try: dispatcher._cache = VariantCache(dispatcher.py_func)
+    except Exception: pass          # another Numba version: keep its default cache (correct, only slower to start)
 
 _DRIVERS = {'vnni': {mv: _make_driver('vnni', mv) for mv in (1, 2, 3, 4)}}
 
