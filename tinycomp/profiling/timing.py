@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['latency_stats', 'blas_threads', 'usable_cores', 'check_threads', 'threads_arg', 'positive_int', 'set_threads',
-           'thread_info', 'optional_torch', 'measure_times', 'time_fn']
+           'thread_info', 'optional_torch', 'using_threads', 'measure_times', 'time_fn']
 
-# %% ../../nbs/03a_profiling.ipynb #82ddd87a
+# %% ../../nbs/03a_profiling.ipynb #54c562be
 import argparse
+import contextlib
 import ctypes
 import glob
 import os
@@ -67,7 +68,7 @@ def blas_threads():
     fns = _openblas()
     return int(fns[1]()) if fns else None
 
-# %% ../../nbs/03a_profiling.ipynb #8f3e9de2
+# %% ../../nbs/03a_profiling.ipynb #e5c063de
 def usable_cores() -> int:
     "Cores this process may run on (CPU affinity where the OS reports it, else `os.cpu_count()`)."
     try: return len(os.sched_getaffinity(0))
@@ -101,7 +102,7 @@ def positive_int(value) -> int:
     if n < 1: raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
-# %% ../../nbs/03a_profiling.ipynb #b49f7ce6
+# %% ../../nbs/03a_profiling.ipynb #36924672
 def set_threads(n):
     "Use `n` threads in Numba, OpenBLAS (if found) and PyTorch (if installed); returns `thread_info()`."
     n = check_threads(n)
@@ -127,6 +128,20 @@ def optional_torch():
         return torch
     except ImportError:
         return None
+
+@contextlib.contextmanager
+def using_threads(n):
+    """`with using_threads(n):` run the block with `n` threads (as `set_threads`), then restore each library's count;
+    `n=None` leaves the counts as they are."""
+    before = thread_info()
+    info = set_threads(n) if n is not None else before
+    try: yield info
+    finally:
+        numba.set_num_threads(before['numba'])
+        fns = _openblas()
+        if fns and before['blas']: fns[0](before['blas'])
+        torch = optional_torch()
+        if torch is not None and before['torch']: torch.set_num_threads(before['torch'])
 
 # %% ../../nbs/03a_profiling.ipynb #fed7f7df
 def measure_times(fn, repeats=20, warmup=2) -> np.ndarray:
