@@ -35,9 +35,12 @@ setuptools.setup(
     include_package_data=True,
     package_data={'tinycomp': ['data_files/*', 'pretrained/*', 'refs/*/*']},
     install_requires=cfg['requirements'].split(),
-    # learn: what a learner needs to open and run the notebooks; dev: everything, to develop and test tinycomp
+    # learn: what a learner needs to open and run the notebooks; onnx: ONNX export/import and ONNX Runtime
+    # (tinycomp.onnx); dev: everything, to develop and test tinycomp (CI runs every ONNX test)
     extras_require={'learn': cfg['learn_requirements'].split(),
-                    'dev': cfg['dev_requirements'].split() + cfg['learn_requirements'].split()},
+                    'onnx': cfg['onnx_requirements'].split(),
+                    'dev': cfg['dev_requirements'].split() + cfg['learn_requirements'].split()
+                           + cfg['onnx_requirements'].split()},
     python_requires='>=' + min_python,
     zip_safe=False,
     entry_points={'console_scripts': cfg['console_scripts'].split()},

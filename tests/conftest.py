@@ -1,5 +1,6 @@
-"""Shared test switches. Tests of the sandboxed grader may skip only on a machine without bubblewrap (or without
-cgroups, for the memory-limit tests); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI) a missing sandbox is a failure."""
+"""Shared test switches. Tests that need an OS capability may skip only on a machine without it: the sandboxed grader
+(bubblewrap, and cgroups for the memory-limit tests) and QEMU's user-mode emulator (ONNX Runtime on an emulated
+AVX2-only CPU); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI, which installs both) a missing one is a failure."""
 import os
 
 import pytest
@@ -24,3 +25,11 @@ def tree_limit(sandbox):
     "Skip (or, in CI, fail) unless a cgroup can limit a whole process tree here."
     from tinycomp.course.sandbox import sandbox_status
     _need('a cgroup memory limit for a process tree', sandbox_status()['tree_limit'], 'needs root or a delegated cgroup')
+
+
+@pytest.fixture
+def qemu_x86():
+    "Skip (or, in CI, fail) unless QEMU's user-mode x86-64 emulator can run this Python on an emulated CPU."
+    import platform, shutil
+    _need("QEMU's user-mode emulator (apt-get install qemu-user)", shutil.which('qemu-x86_64') and platform.machine() == 'x86_64',
+          'qemu-x86_64 not found, or not an x86-64 machine')
