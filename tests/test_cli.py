@@ -182,11 +182,19 @@ def test_bad_thread_count_from_the_console_script():
 def test_tour_prints_and_saves_its_figures(tmp_path):
     result = run('tour', '--out', str(tmp_path), '--no-progress', '--threads', '1')
     assert result.returncode == 0, result.stderr
-    for label in ('test accuracy', 'validation accuracy', 'parameters', 'bytes on disk', 'latency, batch of 64',
-                  'latency per sample', '(1 thread)'):
-        assert label in result.stdout
-    assert (tmp_path / 'training_curve.png').stat().st_size > 1000
-    assert (tmp_path / 'digits_cnn.npz').exists()
+    for label in ('latency measured on 1 thread', 'prune_channels', 'distill', 'quantize_static', 'b64 speedup [95% CI]',
+                  'ECE', 'critical failures', 'x smaller', 'x faster', 'McNemar p'):
+        assert label in result.stdout, label
+    for name in ('training_curve.png', 'compression_report.png', 'critical_failures.png'):
+        assert (tmp_path / name).stat().st_size > 1000
+    report = json.loads((tmp_path / 'compression_report.json').read_text())
+    from tinycomp.data import load_digits
+    from tinycomp.io import load
+    from tinycomp.tensor import Tensor
+    model = load(tmp_path / 'digits_cnn_wide_compressed.npz')
+    assert [r['stage'] for r in report['rows']] == ['original', 'prune_channels', 'distill', 'quantize_static']
+    assert report['rows'][-1]['file_bytes'] == (tmp_path / 'digits_cnn_wide_compressed.npz').stat().st_size
+    assert model(Tensor(load_digits('test')[0][:2])).shape == (2, 10)
 
 
 def test_train_writes_a_loadable_model(tmp_path):

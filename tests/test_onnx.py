@@ -255,6 +255,22 @@ def test_int8_is_exact_on_avx2_kernels_under_emulation(models, tmp_path, qemu_x8
     print('int8 x int8 QDQ on the emulated AVX2 CPU (not our export form):', lsb_diff(ours, outs[2], scale))
 
 
+def test_a_pytorch_model_is_compressed_by_the_pipeline(tmp_path):
+    "The model trained in PyTorch goes through module 07's pipeline: channels pruned, distilled, int8; measured; exported."
+    from tinycomp.benchmarking import compress
+    model = import_onnx(DATA / 'torch_cnn.onnx').eval()
+    recipe = [{'prune_channels': {'ratio': 0.5}}, {'distill': {'teacher': 'original', 'epochs': 2}},
+              {'quantize_static': {'per_channel': True}}]
+    final, report = compress(model, recipe, progress=False, rounds=2, calls=1)
+    assert [r['stage'] for r in report.rows] == ['original', 'prune_channels', 'distill', 'quantize_static']
+    last = report.rows[-1]
+    assert last['compression'] > 4 and last['accuracy'] > 0.95 and last['dacc_points'] > -3, report.table()
+    assert type(final[1]).__name__ == 'QuantizedConv2d'
+    path = export_onnx(final, tmp_path / 'compressed.onnx', (1, 1, 8, 8))      # and back out to ONNX Runtime
+    r = ort_agreement(final, path, X_TEST)
+    assert r['class_agreement'] >= 0.99, r
+
+
 def test_export_errors(models):
     with pytest.raises(TinycompError, match='Sequential'): to_onnx(Conv2d(1, 2, 3), (1, 1, 8, 8))
 
