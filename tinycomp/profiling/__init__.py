@@ -4,17 +4,18 @@
 
 # %% auto #0
 __all__ = ['timing', 'counting', 'hardware', 'blas_threads', 'check_threads', 'latency_stats', 'measure_times', 'optional_torch',
-           'positive_int', 'set_threads', 'thread_info', 'threads_arg', 'time_fn', 'usable_cores', 'PROFILE_COLUMNS',
-           'Profile', 'activation_bytes', 'conv2d_flops', 'layer_cost', 'output_shape', 'profile_model', 'trace_events',
-           'attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound', 'build_hardware_profile',
-           'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'load_model', 'machine_roof',
-           'measure_bandwidth', 'measure_peak_flops', 'peak_memory_mb', 'plot_batch_sweep', 'plot_thread_sweep',
-           'ridge_point', 'roofline', 'thread_sweep', 'variant_table', 'write_hardware_profile_artifacts']
+           'positive_int', 'set_threads', 'thread_info', 'threads_arg', 'time_fn', 'usable_cores', 'using_threads',
+           'PROFILE_COLUMNS', 'Profile', 'activation_bytes', 'conv2d_flops', 'layer_cost', 'output_shape',
+           'profile_model', 'trace_events', 'attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound',
+           'build_hardware_profile', 'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'load_model',
+           'machine_roof', 'measure_bandwidth', 'measure_peak_flops', 'peak_memory_mb', 'plot_batch_sweep',
+           'plot_thread_sweep', 'ridge_point', 'roofline', 'thread_sweep', 'variant_table',
+           'write_hardware_profile_artifacts']
 
-# %% ../../nbs/95_profiling.ipynb #79eef8e1
+# %% ../../nbs/95_profiling.ipynb #d341f194
 from .timing import (
     blas_threads, check_threads, latency_stats, measure_times, optional_torch, positive_int, set_threads, thread_info,
-    threads_arg, time_fn, usable_cores)
+    threads_arg, time_fn, usable_cores, using_threads)
 from .counting import (
     PROFILE_COLUMNS, Profile, activation_bytes, conv2d_flops, layer_cost, output_shape, profile_model, trace_events)
 from .hardware import (
@@ -26,7 +27,7 @@ from . import counting, hardware, timing
 
 _all_ = ['timing', 'counting', 'hardware',
          'blas_threads', 'check_threads', 'latency_stats', 'measure_times', 'optional_torch', 'positive_int', 'set_threads',
-         'thread_info', 'threads_arg', 'time_fn', 'usable_cores',
+         'thread_info', 'threads_arg', 'time_fn', 'usable_cores', 'using_threads',
          'PROFILE_COLUMNS', 'Profile', 'activation_bytes', 'conv2d_flops', 'layer_cost', 'output_shape',
          'profile_model', 'trace_events',
          'attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound', 'build_hardware_profile',
