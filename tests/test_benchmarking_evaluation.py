@@ -283,6 +283,12 @@ def test_plots_return_figures_and_write_files(tmp_path):
     assert len(fig.axes) == 2 and (tmp_path / 'pareto.png').stat().st_size > 0
     labels = {t.get_text() for ax in fig.axes for t in ax.texts}
     assert labels == {'float', 'int8', 'pruned', 'bad'}
+    fig = E.plot_pareto(ROWS, knee='pruned')                      # a given knee is starred in both panels
+    stars = [c for ax in fig.axes for c in ax.collections if c.get_label().startswith('knee')]
+    assert [c.get_label() for c in stars] == ['knee (all objectives)'] * 2
+    pruned = next(r for r in ROWS if r['name'] == 'pruned')
+    assert tuple(stars[0].get_offsets()[0]) == (pruned['latency_ms'], pruned['accuracy'])
+    with pytest.raises(TinycompError, match='not the name of a row'): E.plot_pareto(ROWS, knee='nope')
     with pytest.raises(ShapeError, match='square'): E.plot_confusion(np.zeros((2, 3)))
     with pytest.raises(ShapeError, match='cannot show'): E.plot_critical_failures(np.zeros((40, 5)), y, base, cand)
     with pytest.raises(ShapeError, match='X has 39'): E.plot_critical_failures(X[:39], y, base, cand)

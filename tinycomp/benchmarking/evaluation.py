@@ -368,14 +368,17 @@ def knee_row(rows, objectives=None) -> dict:
     rows, P, mx = _objective_matrix(rows, objectives)
     return rows[knee_point(P, mx)]
 
-# %% ../../nbs/07b_evaluation.ipynb #3f373f7d
-def plot_pareto(rows, path=None, title=None):
+# %% ../../nbs/07b_evaluation.ipynb #0ad4e2c5
+def plot_pareto(rows, path=None, title=None, knee=None):
     """Two panels from rows {name, accuracy, latency_ms, file_bytes} (`BenchmarkResult.row(b)`): accuracy against
-    latency and against file size. Dominated points grey, the front as a step line, the knee of each view starred,
-    points labelled by name. Returns the figure; saves it to `path` if given."""
+    latency and against file size. Dominated points grey, the front as a step line, points labelled by name, and a
+    star on the knee: the row named `knee` in both panels if given (e.g. the knee over all three objectives), else
+    each panel's own two-objective knee. Returns the figure; saves it to `path` if given."""
     import matplotlib.pyplot as plt
     rows, P, _ = _objective_matrix(rows, DEFAULT_OBJECTIVES)
     names = [str(r.get('name', i)) for i, r in enumerate(rows)]
+    if knee is not None and str(knee) not in names:
+        raise TinycompError(f"knee={knee!r} is not the name of a row; the rows are {', '.join(names)}")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     note = ''
     for ax, col, xlabel in ((axes[0], 1, 'latency (ms, lower is better)'), (axes[1], 2, 'model file (bytes, lower is better)')):
@@ -386,8 +389,9 @@ def plot_pareto(rows, path=None, title=None):
         f = pts[on][np.argsort(pts[on, 1], kind='stable')]
         ax.step(f[:, 1], f[:, 0], where='post', color='tab:blue', lw=1, zorder=1)
         try:
-            k = knee_point(pts, [True, False])
-            ax.scatter([pts[k, 1]], [pts[k, 0]], marker='*', s=260, facecolor='none', edgecolor='tab:red', lw=1.5, zorder=4, label='knee')
+            k = names.index(str(knee)) if knee is not None else knee_point(pts, [True, False])
+            ax.scatter([pts[k, 1]], [pts[k, 0]], marker='*', s=260, facecolor='none', edgecolor='tab:red', lw=1.5, zorder=4,
+                       label='knee (all objectives)' if knee is not None else 'knee of this view')
         except NotImplementedError:
             note = ' (the knee appears once knee_point, Exercise 07.6, is written)'
         for r, ((y, x), n, o) in enumerate(zip(pts, names, on)):     # alternate label offsets: fewer overlaps

@@ -685,7 +685,7 @@ def add_cli(subparsers):
     p.set_defaults(func=_run_compress)
     return p
 
-# %% ../../nbs/07c_pipeline.ipynb #f9322ced
+# %% ../../nbs/07c_pipeline.ipynb #8dd6e62e
 def default_configurations(epochs=4) -> dict:
     "{name: recipe} of the default sweep: int8 only, channel pruning at 3 ratios, distillation, sparsity, combinations."
     e = int(epochs)
@@ -750,7 +750,7 @@ class SweepResult:
     def plot(self, path=None, batch_size=1, title=None):
         "Accuracy against latency and against file size, front and knee marked (part b's `plot_pareto`)."
         return plot_pareto(self.pareto_rows(batch_size), path,
-                           title or f"strategies on this machine (latency at batch {batch_size})")
+                           title or f"strategies on this machine (latency at batch {batch_size})", knee=self.rows[self.knee]['name'])
 
     def to_dict(self) -> dict:
         rows = [{k: ({str(b): x for b, x in v.items()} if isinstance(v, dict) else v) for k, v in r.items()} for r in self.rows]
