@@ -36,11 +36,14 @@ setuptools.setup(
     package_data={'tinycomp': ['data_files/*', 'pretrained/*', 'refs/*/*']},
     install_requires=cfg['requirements'].split(),
     # learn: what a learner needs to open and run the notebooks; onnx: ONNX export/import and ONNX Runtime
-    # (tinycomp.onnx); dev: everything, to develop and test tinycomp (CI runs every ONNX test)
+    # (tinycomp.onnx); leaderboard: the web server of `tinycomp leaderboard serve` (Starlette under uvicorn);
+    # dev: everything, to develop and test tinycomp (CI runs every ONNX and leaderboard test; the browser test
+    # drives the system's Chromium with Playwright, which is only in dev)
     extras_require={'learn': cfg['learn_requirements'].split(),
                     'onnx': cfg['onnx_requirements'].split(),
+                    'leaderboard': cfg['leaderboard_requirements'].split(),
                     'dev': cfg['dev_requirements'].split() + cfg['learn_requirements'].split()
-                           + cfg['onnx_requirements'].split()},
+                           + cfg['onnx_requirements'].split() + cfg['leaderboard_requirements'].split()},
     python_requires='>=' + min_python,
     zip_safe=False,
     entry_points={'console_scripts': cfg['console_scripts'].split()},

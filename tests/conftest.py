@@ -1,6 +1,7 @@
 """Shared test switches. Tests that need an OS capability may skip only on a machine without it: the sandboxed grader
-(bubblewrap, and cgroups for the memory-limit tests) and QEMU's user-mode emulator (ONNX Runtime on an emulated
-AVX2-only CPU); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI, which installs both) a missing one is a failure."""
+(bubblewrap, and cgroups for the memory-limit tests), QEMU's user-mode emulator (ONNX Runtime on an emulated
+AVX2-only CPU) and Chromium (the leaderboard page in a headless browser); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI,
+which installs them) a missing one is a failure."""
 import os
 
 import pytest
@@ -33,3 +34,12 @@ def qemu_x86():
     import platform, shutil
     _need("QEMU's user-mode emulator (apt-get install qemu-user)", shutil.which('qemu-x86_64') and platform.machine() == 'x86_64',
           'qemu-x86_64 not found, or not an x86-64 machine')
+
+
+@pytest.fixture
+def chromium():
+    "The path of the system's Chromium (Debian: apt-get install chromium); skip (or, in CI, fail) where there is none."
+    import shutil
+    path = os.environ.get('TINYCOMP_CHROMIUM') or shutil.which('chromium') or shutil.which('chromium-browser')
+    _need('headless Chromium (apt-get install chromium)', path, 'no chromium on PATH (or set TINYCOMP_CHROMIUM)')
+    return path

@@ -1,6 +1,8 @@
 "Tests for tinycomp.io: exact round trips and hostile model files."
 import copy
 import json
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -378,3 +380,131 @@ def test_the_package_class_replaces_a_notebooks_earlier_registration(restore_lay
     tfiles.register_layer(mine)
     assert tfiles.register_layer(package) is package and tfiles.LAYERS['Scale7'] is package
     assert tfiles.register_layer(mine) is mine and tfiles.LAYERS['Scale7'] is package       # and it stays
+
+
+# ---------------------------------------------------------------- unpacked-size limit and memory (issue 16, item 8)
+def zeros_linear_file(path, n, deflate=True):
+    "A valid model file holding Linear(n, n) of zeros, deflated: it weighs a tiny fraction of what it unpacks to."
+    m = Linear(n, n)
+    m.weight.data[...] = 0
+    m.bias.data[...] = 0
+    raw = tio.save(m, path.with_suffix('.raw.npz'))
+    with zipfile.ZipFile(raw) as src, zipfile.ZipFile(path, 'w', zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    raw.unlink()
+    return path
+
+
+def traced_peak(fn):
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        try: out = fn()
+        except Exception as e: out = e
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_zip_bomb_is_refused_from_the_zip_directory_without_allocating(tmp_path, monkeypatch):
+    path = zeros_linear_file(tmp_path / 'bomb.npz', 2000)                  # 16 MB of float32 zeros, ~20 KB on disk
+    assert path.stat().st_size < 100_000
+    err, peak = traced_peak(lambda: tio.load(path, max_bytes=1 << 20))
+    assert isinstance(err, ModelFileError), err
+    assert 'zip directory declares 16,008,' in str(err) and 'limit of 1,048,576 bytes' in str(err) and 'on disk' in str(err)
+    assert peak < 2 << 20, peak                                            # nothing array-sized was allocated
+    monkeypatch.setattr(tio, 'MAX_UNPACKED_BYTES', 1 << 20)                # the module constant is the default
+    with pytest.raises(ModelFileError, match='more than the limit'):
+        tio.read_manifest(path)
+    assert isinstance(tio.load(path, max_bytes=32 << 20), Linear)          # a caller may raise the limit on purpose
+    with pytest.raises(TinycompError, match='max_bytes must be'):
+        tio.load(path, max_bytes=-1)
+
+
+def test_array_headers_are_checked_against_the_limit_and_the_members(tmp_path, good):
+    _, path, man, arrays = good
+    # a header declaring a huge shape whose member holds almost nothing: refused by the limit, then as inconsistent
+    big = dict(man, arrays=dict(man['arrays'], **{'0.weight': {'shape': [20000, 20000], 'dtype': 'float32'}}))
+    p = tmp_path / 'liar.npz'
+    buf = _io_bytes_of_npy_header((20000, 20000), np.float32) + b'\0' * 64
+    craft(p, big, arrays)
+    with zipfile.ZipFile(p) as zf:
+        members = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    members['0.weight.npy'] = buf
+    with zipfile.ZipFile(p, 'w') as zf:
+        for k, v in members.items(): zf.writestr(k, v)
+    err, peak = traced_peak(lambda: tio.load(p))
+    assert isinstance(err, ModelFileError) and 'array headers declare more than' in str(err), err
+    assert '1,600,000,000 bytes' in str(err) and peak < 2 << 20
+    err = traced_peak(lambda: tio.load(p, max_bytes=4 << 30))[0]           # within the limit: the member is too short
+    assert isinstance(err, ModelFileError) and 'its zip member holds 64' in str(err), err
+
+
+def _io_bytes_of_npy_header(shape, dtype):
+    import io
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {'descr': np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                             'fortran_order': False, 'shape': shape})
+    return f.getvalue()
+
+
+def test_a_config_building_more_than_the_limit_is_stopped(tmp_path):
+    path = tio.save(Sequential(Linear(2, 3)), tmp_path / 'small.npz')
+    man, arrays = parts(path)
+    node = man['model']['children']['0']
+    node['config'] = dict(node['config'], in_features=3000, out_features=3000)   # the arrays stay small
+    p = craft(tmp_path / 'cfg.npz', man, arrays)
+    with pytest.raises(ModelFileError, match=r'layer configs build more weights than the limit of 1,048,576 bytes.*at model\.0'):
+        tio.load(p, max_bytes=1 << 20)
+    with pytest.raises(ModelFileError, match='the config and the weights disagree'):
+        tio.load(p)
+
+
+def test_load_allocates_about_what_the_arrays_hold(tmp_path):
+    path = zeros_linear_file(tmp_path / 'z.npz', 1000)                     # 4 MB of weights
+    model, peak = traced_peak(lambda: tio.load(path))
+    assert isinstance(model, Linear) and not model.weight.data.any()
+    held = model.weight.data.nbytes + model.bias.data.nbytes
+    # tracemalloc also counts the np.empty a constructor makes (never touched, so never resident): 2x, was 5x
+    assert peak < 2.2 * held, (peak, held)
+    code = ("import resource, sys; from tinycomp import io; import tinycomp.nn.modules; "
+            "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; io.load(sys.argv[1]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0)")
+    big = zeros_linear_file(tmp_path / 'big.npz', 3000)                   # 36 MB of weights
+    grew_kb = int(subprocess.run([sys.executable, '-c', code, str(big)], capture_output=True, text=True,
+                                 check=True).stdout)
+    assert grew_kb * 1024 < 1.3 * 36e6, grew_kb                             # resident memory: about what it holds
+    rng = np.random.default_rng(0)                                         # and the values are the file's, bitwise
+    m = Linear(300, 200); m.weight.data[...] = rng.normal(size=(200, 300)).astype(np.float32)
+    back = tio.load(tio.save(m, tmp_path / 'r.npz'))
+    assert back.weight.data.tobytes() == m.weight.data.tobytes() and back.weight.data.flags.writeable
+
+
+def test_a_fortran_order_member_still_loads(tmp_path):
+    m = Linear(5, 4)
+    path = tio.save(m, tmp_path / 'c.npz')
+    man, arrays = parts(path)
+    arrays['weight'] = np.asfortranarray(arrays['weight'])
+    back = tio.load(craft(tmp_path / 'f.npz', man, arrays))
+    assert np.array_equal(back.weight.data, m.weight.data) and back.weight.data.flags.c_contiguous
+
+
+def test_parallel_loads_are_correct_and_leave_the_generator_alone(tmp_path, good):
+    import threading
+    m, path, _, _ = good
+    before = T.default_generator()
+    T.manual_seed(3)
+    seeded = T.default_generator()
+    expected = np.random.default_rng(3).random(4)
+    errors, done = [], []
+    def work():
+        try:
+            for _ in range(5): assert_same_model(tio.load(path), m); done.append(1)
+        except Exception as e: errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert not errors and len(done) == 30, errors
+    assert T.default_generator() is seeded and np.array_equal(seeded.random(4), expected)
+    assert before is not None

@@ -1,0 +1,546 @@
+"""tinycomp.leaderboard.core: scoring, ranking, the store, acceptance and limits, the worker, the page, the CLI."""
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+
+import numpy as np
+import pytest
+
+from tinycomp import io as tio
+from tinycomp.cli import main
+from tinycomp.data import load_digits
+from tinycomp.errors import TinycompError
+from tinycomp.leaderboard import core as lb
+from tinycomp.leaderboard.core import SubmissionRejected, entry_metrics, rank_entries, synthetic_measurement
+from tinycomp.models import load_pretrained, pretrained_path
+from tinycomp.nn.modules import Linear, Sequential, Flatten
+
+Y = np.arange(200) % 10
+ALL = np.ones(200, bool)
+
+
+def wrong(n, y=Y):
+    p = y.copy()
+    p[:n] = (p[:n] + 1) % 10
+    return p
+
+
+# ---------------------------------------------------------------- scoring (pure functions of stored measurements)
+def test_entry_metrics_by_hand():
+    m = entry_metrics(synthetic_measurement(Y, Y, base_ms=(2, 8), sub_ms=(1, 2), base_bytes=4000, sub_bytes=1000), Y, ALL)
+    assert m['speedup_at'] == {1: 2.0, 64: 4.0}
+    assert math.isclose(m['speedup'], math.sqrt(8)) and m['compression'] == 4.0
+    assert math.isclose(m['score'], math.sqrt(math.sqrt(8) * 4))
+    assert m['accuracy'] == 1.0 and m['dacc_points'] == 0.0 and m['gate'] == 'passed' and m['flags'] == []
+    assert m['latency_ms'] == {1: 1.0, 64: 2.0} and m['file_bytes'] == 1000 and m['n'] == 200
+    lo, hi = m['accuracy_ci']
+    assert lo < 1.0 and hi == pytest.approx(1.0)
+
+
+def test_medians_not_means_of_the_samples():
+    raw = synthetic_measurement(Y, Y)
+    raw['results']['submission']['latency']['1']['samples_s'] = [1e-3, 1e-3, 1e-3, 1e-3, 1.0]   # one outlier
+    assert entry_metrics(raw, Y, ALL)['speedup_at'][1] == pytest.approx(2.0)
+
+
+def test_gate_one_point_and_significance():
+    def gate(n_wrong, base_wrong=0):
+        return entry_metrics(synthetic_measurement(wrong(base_wrong), wrong(n_wrong)), Y, ALL)['gate']
+    assert gate(2) == 'passed'                              # exactly -1 point on 200 samples
+    assert gate(3) == 'passed (drop not significant)'       # -1.5 points, McNemar p = 0.25
+    assert gate(12) == 'failed'                             # -6 points, p < 0.05
+    assert gate(12, base_wrong=10) == 'passed'              # -1 point against a weaker baseline
+    m = entry_metrics(synthetic_measurement(Y, wrong(12)), Y, ALL)
+    assert m['p_value'] < lb.GATE_P and m['dacc_points'] == pytest.approx(-6.0)
+
+
+def test_compliance_and_plausibility_flags():
+    f = entry_metrics(synthetic_measurement(Y, Y, passed=False, repeat_ratio=3.0), Y, ALL)['flags']
+    assert len(f) == 1 and f[0].startswith('failed compliance') and '3.00x slower' in f[0]
+    assert entry_metrics(synthetic_measurement(Y, Y, sub_ms=(2 / 51, 2)), Y, ALL)['flags'][0].startswith('under investigation')
+    assert entry_metrics(synthetic_measurement(Y, Y, sub_ms=(2 / 49, 8 / 49)), Y, ALL)['flags'] == []
+    assert entry_metrics(synthetic_measurement(Y, Y, sub_bytes=4000 / 33), Y, ALL)['flags'][0].startswith('under investigation')
+    assert entry_metrics(synthetic_measurement(Y, Y, sub_bytes=4000 / 31), Y, ALL)['flags'] == []
+
+
+def test_public_and_private_parts_use_their_own_samples():
+    sub = Y.copy()
+    sub[100:110] = (sub[100:110] + 1) % 10                  # wrong only in the second half
+    first = np.arange(200) < 100
+    raw = synthetic_measurement(Y, sub)
+    assert entry_metrics(raw, Y, first)['accuracy'] == 1.0
+    assert entry_metrics(raw, Y, ~first)['accuracy'] == 0.9 and entry_metrics(raw, Y, ~first)['n'] == 100
+    with pytest.raises(TinycompError, match='empty'):
+        entry_metrics(raw, Y, np.zeros(200, bool))
+
+
+# ---------------------------------------------------------------- ranking
+def entry(i, who, n_wrong=0, ms=(1, 2), size=1000, created=None, **kw):
+    m = entry_metrics(synthetic_measurement(Y, wrong(n_wrong), sub_ms=ms, sub_bytes=size, **kw), Y, ALL)
+    return dict(m, id=i, participant_id=who, name=f'p{who}', created=created if created is not None else i)
+
+
+def test_closed_ranking_ties_by_accuracy_then_time():
+    es = [entry(1, 1, 0, created=5), entry(2, 2, 0, created=3),          # the same score and accuracy: earlier first
+          entry(3, 3, 2, created=1),                                       # the same score, lower accuracy
+          entry(4, 4, 0, ms=(0.5, 1), created=9)]                          # faster: first
+    r = rank_entries(es)['closed']
+    assert [(e['id'], e['rank']) for e in r] == [(4, 1), (2, 2), (1, 3), (3, 4)]
+
+
+def test_scores_equal_to_the_shown_decimals_are_ties():
+    a, b = entry(1, 1, 2, created=1), entry(2, 2, 0, created=2)
+    a['score'], b['score'] = 2.00001, 2.00004                              # both show as 2.000: accuracy decides
+    assert [e['id'] for e in rank_entries([a, b])['closed']] == [2, 1]
+    b['score'] = 1.9990
+    assert [e['id'] for e in rank_entries([a, b])['closed']] == [1, 2]
+
+
+def test_best_entry_per_participant_and_history_kept():
+    es = [entry(1, 1, 0, ms=(1, 2)), entry(2, 1, 0, ms=(0.5, 1)), entry(3, 1, 0, ms=(2, 4)), entry(4, 2, 0)]
+    r = rank_entries(es)
+    assert [e['id'] for e in r['closed']] == [2, 4]
+    assert sorted(e['id'] for e in r['open']) == [2, 4]
+    assert len(es) == 4 and 'rank' not in es[0]                             # inputs untouched
+
+
+def test_flagged_and_gated_entries():
+    es = [entry(1, 1, 12, ms=(0.5, 1)),                                     # fails the gate: open track only
+          entry(2, 2, 0, passed=False),                                     # compliance: nowhere
+          entry(3, 3, 0, ms=(0.01, 0.01)),                                  # implausible: nowhere
+          entry(4, 4, 0)]
+    r = rank_entries(es)
+    assert [e['id'] for e in r['closed']] == [4]
+    assert sorted(e['id'] for e in r['open']) == [1, 4]
+    assert sorted(e['id'] for e in r['unranked']) == [2, 3]
+
+
+def test_pareto_ranks_by_non_dominated_sorting():
+    pts = [[0.9, 1.0, 100], [0.95, 2.0, 100], [0.9, 2.0, 200], [0.8, 3.0, 300], [0.95, 2.0, 100]]
+    assert lb.pareto_ranks(pts, [True, False, False]).tolist() == [1, 1, 2, 3, 1]    # duplicates share the front
+
+
+def test_open_track_pareto_marks_and_order():
+    es = [entry(1, 1, 0, ms=(1, 2), size=1000), entry(2, 2, 10, ms=(0.5, 2), size=1000),   # faster, less accurate
+          entry(3, 3, 0, ms=(1, 2), size=2000),                                            # dominated by 1
+          entry(4, 4, 0, ms=(1, 2), size=1000, created=0)]                                  # equals 1, earlier
+    o = rank_entries(es)['open']
+    assert [(e['id'], e['pareto_rank'], e['on_front'], e['rank']) for e in o] == \
+        [(4, 1, True, 1), (1, 1, True, 2), (2, 1, True, 3), (3, 2, False, 4)]
+    # relative latency is the batch-1 speedup's inverse: a slower baseline in another job makes an entry look faster
+    e = entry(5, 5, 0, ms=(1, 2))
+    e2 = dict(entry_metrics(synthetic_measurement(Y, Y, base_ms=(4, 8), sub_ms=(1, 2)), Y, ALL), id=6, participant_id=6,
+              name='p6', created=6)
+    assert [x['id'] for x in rank_entries([e, e2])['open'] if x['on_front']] == [6]
+
+
+# ---------------------------------------------------------------- fixtures: a small task and a few models
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp('lbfiles')
+    X, y = load_digits('test')
+    np.savez(d / 'task.npz', X=X[:64], y=y[:64])
+    base = load_pretrained('digits_cnn')
+    from tinycomp.benchmarking.pipeline import make_context, run_stage
+    ctx = make_context(base)
+    int8 = run_stage('quantize_static', base, {}, ctx)
+    out = dict(dir=d, task=d / 'task.npz', baseline=pretrained_path('digits_cnn'))
+    out['int8'] = tio.save(int8, d / 'int8.npz')
+    for i in range(3):                                      # the same model, different bytes
+        out[f'int8_{i}'] = tio.save(int8, d / f'int8_{i}.npz', metadata={'copy': i})
+    out['float'] = tio.save(base, d / 'float.npz', metadata={'copy': 'float'})
+    return out
+
+
+def make_store(tmp_path, files, **settings):
+    s = lb.open_store(tmp_path / 'lb.db', create=True)
+    s.init(dict(name='digits64', data_npz=files['task'], baseline=files['baseline']),
+           **dict(dict(rounds=2, calls=1, isolate=False), **settings))
+    return s
+
+
+def count(store, table='submissions'):
+    return store.query(f"SELECT COUNT(*) AS n FROM {table}")[0]['n']
+
+
+# ---------------------------------------------------------------- the store
+def test_store_is_wal_versioned_and_migrates(tmp_path):
+    s = lb.open_store(tmp_path / 'a.db', create=True)
+    assert s.query('PRAGMA journal_mode')[0]['journal_mode'] == 'wal'
+    assert s.query('PRAGMA foreign_keys')[0]['foreign_keys'] == 1
+    assert int(s._meta('schema_version')) == lb.SCHEMA_VERSION == len(lb.MIGRATIONS)
+    s.disconnect()
+    c = sqlite3.connect(tmp_path / 'old.db', isolation_level=None)   # a store left at schema version 1
+    lb._migrate(c, 'old.db', upto=1)
+    assert not c.execute("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'").fetchall()
+    c.close()
+    s = lb.open_store(tmp_path / 'old.db')
+    assert int(s._meta('schema_version')) == 2
+    assert s.query("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'")
+    with s.tx() as c: c.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    s.disconnect()
+    with pytest.raises(TinycompError, match='newer than this tinycomp'):
+        lb.open_store(tmp_path / 'old.db')
+    with pytest.raises(TinycompError, match='leaderboard init'):
+        lb.open_store(tmp_path / 'missing.db')
+    (tmp_path / 'junk.db').write_bytes(b'not sqlite' * 100)
+    with pytest.raises(TinycompError, match='not a usable leaderboard database'):
+        lb.open_store(tmp_path / 'junk.db')
+
+
+def test_a_failed_transaction_writes_nothing(tmp_path, files):
+    s = make_store(tmp_path, files)
+    with pytest.raises(RuntimeError):
+        with s.tx() as c:
+            c.execute("INSERT INTO participants (name, token_sha256, created) VALUES ('x', 'h', 0)")
+            raise RuntimeError('crash in the middle')
+    assert count(s, 'participants') == 0
+
+
+def test_init_default_task_and_split(tmp_path):
+    s = lb.open_store(tmp_path / 'd.db', create=True)
+    info = s.init()
+    X, y = load_digits('test')
+    assert info['name'] == 'digits' and info['samples'] == len(y) and info['public'] + info['private'] == len(y)
+    t = s.task()
+    assert np.array_equal(t['labels'], y) and t['baseline'] == pretrained_path('digits_cnn').read_bytes()
+    for c in range(10):                                    # stratified: about half of every class is private
+        n = (y == c).sum()
+        assert abs(int(t['private'][y == c].sum()) - n / 2) <= 1
+    assert np.array_equal(lb._private_mask(y), t['private'])        # fixed seed: the same split every time
+    with pytest.raises(TinycompError, match='already has a task'):
+        s.init()
+
+
+def test_init_refuses_bad_task_data(tmp_path, files):
+    s = lb.open_store(tmp_path / 'e.db', create=True)
+    np.savez(tmp_path / 'bad.npz', X=np.zeros((5, 1, 8, 8)), y=np.zeros(4, np.int64))
+    with pytest.raises(TinycompError, match='same length'):
+        s.init(dict(data_npz=tmp_path / 'bad.npz', baseline=files['baseline']))
+    np.savez(tmp_path / 'nan.npz', X=np.full((5, 1, 8, 8), np.nan), y=np.zeros(5, np.int64))
+    with pytest.raises(TinycompError, match='NaN'):
+        s.init(dict(data_npz=tmp_path / 'nan.npz', baseline=files['baseline']))
+    with pytest.raises(TinycompError, match='needs a baseline'):
+        s.init(dict(data_npz=files['task']))
+    with pytest.raises(TinycompError, match='unknown leaderboard settings'):
+        s.init(dict(data_npz=files['task'], baseline=files['baseline']), rate=3)
+    with pytest.raises(TinycompError, match='rounds >= 2'):
+        s.init(dict(data_npz=files['task'], baseline=files['baseline']), rounds=1)
+    assert count(s, 'tasks') == 0
+
+
+def test_tokens_are_random_and_only_their_hash_is_stored(tmp_path, files):
+    s = make_store(tmp_path, files)
+    t1, t2 = s.issue_token('ann'), s.issue_token('ben')
+    assert t1 != t2 and len(t1) >= 40
+    assert s.participant(t1)['name'] == 'ann' and s.participant(t2)['name'] == 'ben'
+    assert s.participant('') is None and s.participant(None) is None and s.participant(t1 + 'x') is None
+    s.disconnect()
+    for f in tmp_path.glob('lb.db*'):
+        assert t1.encode() not in f.read_bytes()
+    with pytest.raises(TinycompError, match='already exists'):
+        s.issue_token('ANN')
+    for bad in ('', '   ', 'x' * 41, 'a\x00b'):
+        with pytest.raises(TinycompError, match='display name'):
+            s.issue_token(bad)
+
+
+# ---------------------------------------------------------------- acceptance
+def test_accept_queues_and_every_refusal_writes_nothing(tmp_path, files, monkeypatch):
+    s = make_store(tmp_path, files, rate_per_day=0)
+    tok = s.issue_token('ann')
+    data = files['int8'].read_bytes()
+    before = (count(s), count(s, 'files'))
+
+    def refused(status, match, token, blob):
+        with pytest.raises(SubmissionRejected, match=match) as e:
+            s.accept(token, blob)
+        assert e.value.status == status and (count(s), count(s, 'files')) == before
+    refused(401, 'unknown token', 'nope', data)
+    refused(401, 'unknown token', '', data)
+    refused(409, "task's baseline", tok, files['baseline'].read_bytes())
+    refused(422, 'not an acceptable tinycomp model file', tok, b'hello')
+    s.configure(max_file_bytes=1000)
+    refused(413, 'more than the limit of 1,000', tok, data)
+    s.configure(max_file_bytes=16 << 20)
+    sub = s.accept(tok, data)
+    assert sub['status'] == 'queued' and sub['name'] == 'ann' and sub['file_bytes'] == len(data) and sub['kind'] == 'quantized'
+    assert s.query("SELECT sha256 FROM files WHERE size = ?", (len(data),))[0]['sha256'] == sub['sha256']
+    before = (count(s), count(s, 'files'))
+    refused(409, f"already submitted as entry #{sub['id']}", tok, data)
+    other = s.issue_token('ben')
+    refused(409, f"entry #{sub['id']}", other, data)       # someone else's copy of the same file
+
+
+def hostile(tmp_path, files, name, edit_manifest=None, edit_arrays=None):
+    "A copy of the float model file with its manifest and/or arrays edited."
+    with np.load(files['float'], allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    man = json.loads(arrays.pop('__manifest__').tobytes())
+    if edit_manifest: edit_manifest(man)
+    if edit_arrays: edit_arrays(arrays)
+    p = tmp_path / name
+    np.savez(p, __manifest__=np.frombuffer(json.dumps(man).encode(), np.uint8), **arrays)
+    return p.read_bytes()
+
+
+def test_hostile_and_over_limit_files_get_422(tmp_path, files):
+    s = make_store(tmp_path, files, rate_per_day=0)
+    tok = s.issue_token('ann')
+    first = next(k for k in np.load(files['float']).files if k.endswith('weight'))
+
+    def nan(a): a[first] = a[first].copy(); a[first].flat[0] = np.nan
+    def unknown(m): m['model']['children']['0']['type'] = 'EvilLayer'
+    def claim(m): m['score'] = 99.9
+    cases = {'nan': (None, nan, 'NaN'), 'unknown': (unknown, None, 'not in the allow-list'),
+             'claim': (claim, None, "unknown manifest fields \\['score'\\]")}
+    for name, (em, ea, match) in cases.items():
+        with pytest.raises(SubmissionRejected, match=match) as e:
+            s.accept(tok, hostile(tmp_path, files, name + '.npz', em, ea))
+        assert e.value.status == 422 and str(tmp_path) not in e.value.reason
+    # a valid file that unpacks to far more than it weighs: refused from the zip directory
+    m = Sequential(Flatten(), Linear(64, 3000), Linear(3000, 10))
+    for p in m.parameters(): p.data[...] = 0
+    raw = tio.save(m, tmp_path / 'big_raw.npz')
+    with zipfile.ZipFile(raw) as src, zipfile.ZipFile(tmp_path / 'bomb.npz', 'w', zipfile.ZIP_DEFLATED) as dst:
+        for i in src.infolist(): dst.writestr(i.filename, src.read(i.filename))
+    s.configure(max_unpacked_bytes=100_000)
+    with pytest.raises(SubmissionRejected, match='zip directory declares .* more than the limit of 100,000') as e:
+        s.accept(tok, (tmp_path / 'bomb.npz').read_bytes())
+    assert e.value.status == 422
+    s.configure(max_unpacked_bytes=64 << 20, max_params=100_000)
+    with pytest.raises(SubmissionRejected, match='225,010 parameters, more than the limit of 100,000'):
+        s.accept(tok, (tmp_path / 'bomb.npz').read_bytes())
+    s.configure(max_params=1_000_000, max_flops=1000)
+    with pytest.raises(SubmissionRejected, match='FLOPs per sample, more than the limit of 1,000'):
+        s.accept(tok, (tmp_path / 'bomb.npz').read_bytes())
+    s.configure(max_flops=10 ** 9)
+    small = tio.save(Sequential(Flatten(), Linear(64, 5)), tmp_path / 'five.npz').read_bytes()
+    with pytest.raises(SubmissionRejected, match='10 finite class scores'):
+        s.accept(tok, small)
+    wrong_input = tio.save(Sequential(Flatten(), Linear(32, 10)), tmp_path / 'w.npz').read_bytes()
+    with pytest.raises(SubmissionRejected, match='fails on one input of shape \\(1, 1, 8, 8\\)'):
+        s.accept(tok, wrong_input)
+    assert count(s) == 0 and count(s, 'files') == 1       # only the baseline
+
+
+def test_rate_limit_says_when_the_next_submission_is_allowed(tmp_path, files):
+    s = make_store(tmp_path, files, rate_per_day=2)
+    tok = s.issue_token('ann')
+    t0 = 1_700_000_000.0
+    s.accept(tok, files['int8_0'].read_bytes(), now=t0)
+    s.accept(tok, files['int8_1'].read_bytes(), now=t0 + 3600)
+    with pytest.raises(SubmissionRejected) as e:
+        s.accept(tok, files['int8_2'].read_bytes(), now=t0 + 7200)
+    assert e.value.status == 429 and 'at most 2 submissions in 24 hours' in e.value.reason
+    assert lb._iso(t0 + lb.DAY) in e.value.reason and 'in 22 h 0 min' in e.value.reason and count(s) == 2
+    other = s.issue_token('ben')                                          # per participant
+    s.accept(other, files['int8_2'].read_bytes(), now=t0 + 7200)
+    assert count(s) == 3
+    s.accept(tok, files['float'].read_bytes(), now=t0 + lb.DAY + 1)       # a day after the first: allowed again
+    assert count(s) == 4
+
+
+def test_concurrent_acceptance_never_refuses_a_valid_file(tmp_path, files):
+    "CPython gh-106905: .npy header parsing in parallel threads once raised SystemError; validation holds a lock."
+    s = make_store(tmp_path, files, rate_per_day=0)
+    model = tio.load(files['int8'])
+    blobs = []
+    for i in range(40):
+        tio.save(model, tmp_path / 'c.npz', metadata={'i': i})
+        blobs.append((tmp_path / 'c.npz').read_bytes())
+    tokens = [s.issue_token(f'user{i}') for i in range(8)]
+    errors, ids = [], []
+    def submitter(k):
+        try:
+            for j in range(5): ids.append(s.accept(tokens[k], blobs[5 * k + j])['id'])
+        except Exception as e: errors.append(repr(e))
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(8)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert errors == [] and sorted(ids) == list(range(1, 41)) and count(s) == 40
+
+
+def test_metadata_claiming_a_score_is_never_used(tmp_path, files):
+    s = make_store(tmp_path, files)
+    tok = s.issue_token('eve')
+    tio.save(tio.load(files['int8']), tmp_path / 'claim.npz', metadata={'score': 1e9, 'accuracy': 1.0, 'speedup': 1e6})
+    sub = s.accept(tok, (tmp_path / 'claim.npz').read_bytes())
+    lb.measure_next(s)
+    got = s.submission(sub['id'])
+    assert got['status'] == 'measured' and got['scores']['score'] < 100 and got['scores']['speedup'] < 50
+
+
+# ---------------------------------------------------------------- the worker
+def test_measure_rank_rescore_and_export(tmp_path, files):
+    s = make_store(tmp_path, files)
+    ann, ben = s.issue_token('ann'), s.issue_token('<script>alert(1)</script>')
+    a = s.accept(ann, files['int8'].read_bytes())
+    b = s.accept(ben, files['float'].read_bytes())
+    assert lb.measure_next(s) == a['id'] and lb.measure_next(s) == b['id'] and lb.measure_next(s) is None
+    sa = s.submission(a['id'])
+    assert sa['status'] == 'measured' and sa['split'] == 'public' and sa['rank']['closed'] in (1, 2)
+    raw = json.loads(s.query("SELECT raw FROM measurements WHERE submission_id = ?", (a['id'],))[0]['raw'])
+    r = raw['results']
+    assert set(r) == {'baseline', 'submission'} and len(r['submission']['predictions']) == 64
+    assert len(r['baseline']['latency']['1']['samples_s']) == 2 and r['submission']['environment']['cpu']
+    assert r['submission']['compliance']['passed'] in (True, False) and r['baseline']['settings']['batch_sizes'] == [1, 64]
+    board = s.leaderboard()
+    assert board['split'] == 'public' and board['samples'] == int((~s.task()['private']).sum())
+    assert {e['id'] for e in board['tracks']['open']} | {e['id'] for e in board['unranked']} == {a['id'], b['id']}
+    assert lb.rescore(s) == []
+    # tamper with a raw sample: rescore notices, and update=True stores the new numbers
+    r['submission']['latency']['1']['samples_s'] = [x * 2 for x in r['submission']['latency']['1']['samples_s']]
+    with s.tx() as c: c.execute("UPDATE measurements SET raw = ? WHERE submission_id = ?", (json.dumps(raw), a['id']))
+    diffs = lb.rescore(s)
+    assert diffs and {d['id'] for d in diffs} == {a['id']} and {'speedup', 'score'} <= {d['field'] for d in diffs}
+    assert lb.rescore(s, update=True) and lb.rescore(s) == []
+    # export
+    rows = (tmp_path / 'x.csv', tmp_path / 'x.json')
+    s.export_csv(rows[0]); s.export_json(rows[1])
+    import csv
+    lines = list(csv.DictReader(rows[0].open()))
+    assert [int(l['id']) for l in lines] == [a['id'], b['id']] and lines[1]['name'] == '<script>alert(1)</script>'
+    assert lines[0]['public_score'] and lines[0]['private_score'] and lines[0]['status'] == 'measured'
+    doc = json.loads(rows[1].read_text())
+    assert doc['private']['split'] == 'private' and doc['submissions'][0]['raw']['results']['submission']['predictions']
+    # the page
+    page = lb.render_page(s)
+    assert page.startswith('<!doctype html>') and 'name="viewport"' in page and '<svg' in page
+    assert '&lt;script&gt;alert(1)&lt;/script&gt;' in page and '<script' not in page
+    assert 'Closed track' in page and 'Open track' in page and 'History' in page and lb.SCORE_FORMULA.split(',')[0] in page
+    external = [w for w in ('http://', 'https://', '//cdn', '<link', '<img', '@import', 'url(')
+                if w in page.replace('xmlns="http://www.w3.org/2000/svg"', '')]
+    assert external == []
+    assert page.count('class="best"') == 2 * len(board['tracks']['open'])    # each best entry, in both plots
+
+
+def test_close_remove_and_history(tmp_path, files):
+    s = make_store(tmp_path, files)
+    ann = s.issue_token('ann')
+    a = s.accept(ann, files['int8'].read_bytes())
+    b = s.accept(ann, files['float'].read_bytes())
+    while lb.measure_next(s): pass
+    pub = s.leaderboard()
+    s.remove(b['id'], 'copied   from a classmate')
+    assert s.submission(b['id'])['status'] == 'removed'
+    assert b['id'] not in {e['id'] for t in s.leaderboard()['tracks'].values() for e in t}
+    h = s.history()['ann']
+    assert [x['id'] for x in h] == [a['id'], b['id']] and h[1]['reason'] == 'removed by the instructor: copied from a classmate'
+    with pytest.raises(TinycompError, match='give a reason'):
+        s.remove(a['id'], ' ')
+    with pytest.raises(TinycompError, match='no submission #99'):
+        s.remove(99, 'x')
+    s.close()
+    assert s.closed and s.leaderboard()['split'] == 'private' and s.submission(a['id'])['split'] == 'private'
+    assert s.leaderboard(private=False)['split'] == 'public' and pub['split'] == 'public'
+    with pytest.raises(SubmissionRejected) as e:
+        s.accept(ann, files['int8_0'].read_bytes())
+    assert e.value.status == 423
+    assert 'final ranking on the private part' in lb.render_page(s)
+
+
+def test_a_job_left_measuring_is_measured_again_and_a_crashing_one_fails(tmp_path, files):
+    s = make_store(tmp_path, files, max_attempts=2)
+    tok = s.issue_token('ann')
+    a = s.accept(tok, files['int8'].read_bytes())
+    with s.tx() as c:                            # as a worker killed mid-job leaves it
+        c.execute("UPDATE submissions SET status = 'measuring', attempts = 1 WHERE id = ?", (a['id'],))
+    assert lb.measure_next(s) == a['id'] and s.submission(a['id'])['status'] == 'measured'
+    b = s.accept(tok, files['float'].read_bytes())
+    with s.tx() as c:                            # it killed the worker twice already
+        c.execute("UPDATE submissions SET status = 'measuring', attempts = 2 WHERE id = ?", (b['id'],))
+    assert lb.measure_next(s) == b['id']
+    sb = s.submission(b['id'])
+    assert sb['status'] == 'failed' and 'stopped 2 times' in sb['reason'] and count(s, 'measurements') == 1
+
+
+def test_isolated_measurement_and_the_time_budget(tmp_path, files):
+    s = make_store(tmp_path, files, isolate=True)
+    tok = s.issue_token('ann')
+    a = s.accept(tok, files['int8'].read_bytes())
+    assert lb.measure_next(s) == a['id'] and s.submission(a['id'])['status'] == 'measured'
+    s.configure(time_budget_s=0.05)
+    b = s.accept(tok, files['float'].read_bytes())
+    lb.measure_next(s)
+    sb = s.submission(b['id'])
+    assert sb['status'] == 'failed' and 'time budget of 0.05 s' in sb['reason']
+    assert b['id'] not in {e['id'] for e in s.entries()}
+
+
+def test_killing_the_worker_mid_job_loses_nothing(tmp_path, files):
+    s = make_store(tmp_path, files, rounds=400, calls=5)        # a long job, so the kill lands inside it
+    tok = s.issue_token('ann')
+    a = s.accept(tok, files['int8'].read_bytes())
+    code = ("import sys; from tinycomp.leaderboard.core import run_worker; "
+            "run_worker(sys.argv[1], once=True, isolate=False, log=None)")
+    proc = subprocess.Popen([sys.executable, '-c', code, str(s.path)])
+    try:
+        deadline = time.time() + 60
+        while s.submission(a['id'])['status'] != 'measuring' and time.time() < deadline: time.sleep(0.05)
+        assert s.submission(a['id'])['status'] == 'measuring'
+        proc.kill()
+    finally:
+        proc.wait()
+    s.configure(rounds=2, calls=1)
+    assert lb.measure_next(s) == a['id']
+    got = s.submission(a['id'])
+    assert got['status'] == 'measured' and got['attempts'] == 2 and count(s, 'measurements') == 1
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, capsys, monkeypatch):
+    db = str(tmp_path / 'cli.db')
+    assert main(['leaderboard', 'init', '--db', db, '--task-data', str(files['task']), '--baseline',
+                 str(files['baseline']), '--name', 'tiny', '--rounds', '2']) == 0
+    assert "task 'tiny', 64 evaluation samples" in capsys.readouterr().out
+    lb.open_store(db).configure(calls=1, isolate=False)
+    assert main(['leaderboard', 'token', 'ann', '--db', db]) == 0
+    token = capsys.readouterr().out.strip()
+    monkeypatch.setenv('TINYCOMP_TOKEN', token)
+    assert main(['submit', str(files['int8']), '--local', '--db', db]) == 0
+    out = capsys.readouterr().out
+    assert 'accepted as #1' in out and 'measured' in out and 'score' in out and 'closed track' in out
+    assert main(['submit', str(files['int8']), '--local', '--db', db]) == 2
+    assert 'tinycomp: error: submission refused (409): this exact file was already submitted as entry #1' in capsys.readouterr().err
+    assert main(['submit', str(files['float']), '--local', '--db', db, '--token', 'bad']) == 2
+    assert '(401)' in capsys.readouterr().err
+    assert main(['leaderboard', 'show', '--db', db, '--json']) == 0
+    assert json.loads(capsys.readouterr().out)['task'] == 'tiny'
+    assert main(['leaderboard', 'show', '--db', db]) == 0 and 'closed track' in capsys.readouterr().out
+    assert main(['leaderboard', 'html', '--db', db, '--out', str(tmp_path / 'p.html')]) == 0
+    assert '<svg' in (tmp_path / 'p.html').read_text()
+    assert main(['leaderboard', 'export', '--db', db, '--csv', str(tmp_path / 'e.csv'), '--json', str(tmp_path / 'e.json')]) == 0
+    assert (tmp_path / 'e.csv').read_text().startswith('id,name')
+    assert main(['leaderboard', 'remove', '1', '--reason', 'test', '--db', db]) == 0 and 'removed' in capsys.readouterr().out
+    assert main(['leaderboard', 'close', '--db', db]) == 0
+    assert main(['leaderboard', 'worker', '--db', db, '--once', '--in-process']) == 0
+    assert 'measured 0 submission(s)' in capsys.readouterr().out
+    # one-line errors
+    assert main(['leaderboard', 'show', '--db', str(tmp_path / 'none.db')]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('tinycomp: error: no leaderboard at') and err.count('\n') == 1
+    assert main(['leaderboard', 'init', '--db', str(tmp_path / 'x.db'), '--task-data', str(files['task'])]) == 2
+    assert '--task-data and --baseline go together' in capsys.readouterr().err
+    assert main(['leaderboard', 'init', '--db', str(tmp_path / 'y.db'), '--task-data', str(tmp_path / 'nope.npz'),
+                 '--baseline', str(files['baseline'])]) == 2
+    assert not (tmp_path / 'y.db').exists()                                # no half-made database left behind
+    monkeypatch.delenv('TINYCOMP_TOKEN')
+    assert main(['submit', str(files['float']), '--local', '--db', db]) == 2
+    assert 'TINYCOMP_TOKEN' in capsys.readouterr().err
+
+
+def test_cli_is_registered_in_order():
+    from tinycomp.cli import build_parser, command_modules
+    names = [m.__name__ for m in command_modules()]
+    assert 'tinycomp.leaderboard.core' in names and lb.CLI_ORDER == 40
+    sub = next(a for a in build_parser()._actions if a.dest == 'command')
+    assert {'leaderboard', 'submit'} <= set(sub.choices)
+    lb_sub = next(a for a in sub.choices['leaderboard']._actions if a.dest == 'lb_command')
+    assert {'init', 'token', 'show', 'html', 'export', 'close', 'remove', 'worker'} <= set(lb_sub.choices)
