@@ -544,3 +544,18 @@ def test_cli_is_registered_in_order():
     assert {'leaderboard', 'submit'} <= set(sub.choices)
     lb_sub = next(a for a in sub.choices['leaderboard']._actions if a.dest == 'lb_command')
     assert {'init', 'token', 'show', 'html', 'export', 'close', 'remove', 'worker'} <= set(lb_sub.choices)
+
+
+def _die_silently(conn, payload):
+    "A measurement child that dies before it reports (as a crashing model or a lost pipe would)."
+    import os
+    os._exit(3)
+
+
+def test_a_child_that_dies_without_reporting_fails_fast():
+    import time
+    from tinycomp.leaderboard.core import MeasurementFailed, _run_isolated
+    t0 = time.monotonic()
+    with pytest.raises(MeasurementFailed, match=r'died \(exit code 3\)'):
+        _run_isolated({}, budget=120, target=_die_silently)
+    assert time.monotonic() - t0 < 60            # not the whole budget

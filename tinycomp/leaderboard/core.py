@@ -647,7 +647,7 @@ def rescore(store, update=False) -> list:
 
 Store.export_csv, Store.export_json = _export_csv, _export_json
 
-# %% ../../nbs/97b_leaderboard.ipynb #f3afc2ba
+# %% ../../nbs/97b_leaderboard.ipynb #458287d4
 class MeasurementFailed(TinycompError):
     "A job that could not be measured (over the time budget, a crash, a model the harness refuses)."
 
@@ -680,16 +680,22 @@ def _child(conn, payload):
     conn.send(out)
     conn.close()
 
-def _run_isolated(payload, budget) -> dict:
+def _run_isolated(payload, budget, target=_child) -> dict:
     import multiprocessing as mp
     ctx = mp.get_context('spawn')                     # a fresh interpreter: no threads or locks inherited
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, payload), daemon=True)
+    proc = ctx.Process(target=target, args=(send, payload), daemon=True)
     proc.start(); send.close()
+    deadline = time.monotonic() + budget
     try:
-        if not recv.poll(budget):
-            raise MeasurementFailed(f"the measurement took longer than the time budget of {budget:g} s; "
-                                    "a model this slow cannot be ranked (make it faster or smaller)")
+        while not recv.poll(0.2):                     # a child that dies without a word must not cost the whole budget
+            if not proc.is_alive() and not recv.poll(0):
+                proc.join(5)
+                raise MeasurementFailed(f"the measurement process died (exit code {proc.exitcode}) before it reported; "
+                                        "the model crashed it")
+            if time.monotonic() > deadline:
+                raise MeasurementFailed(f"the measurement took longer than the time budget of {budget:g} s; "
+                                        "a model this slow cannot be ranked (make it faster or smaller)")
         try: kind, out = recv.recv()
         except EOFError:
             proc.join(5)
@@ -822,7 +828,7 @@ def _svg_scatter(points, xlabel, title, logx=True, width=420, height=300) -> str
     out.append('</svg>')
     return '\n'.join(out)
 
-# %% ../../nbs/97b_leaderboard.ipynb #af9e33f6
+# %% ../../nbs/97b_leaderboard.ipynb #ed45ab73
 _CSS = """
 :root{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1b1b1b;background:#fafafa}
 body{margin:0 auto;max-width:1400px;padding:12px}
