@@ -508,3 +508,12 @@ def test_parallel_loads_are_correct_and_leave_the_generator_alone(tmp_path, good
     assert not errors and len(done) == 30, errors
     assert T.default_generator() is seeded and np.array_equal(seeded.random(4), expected)
     assert before is not None
+
+
+def test_write_json_takes_numpy_values_and_writes_atomically(tmp_path):
+    import json
+    from tinycomp.files import write_json
+    path = write_json({'n': np.int64(3), 'x': np.float32(0.5), 'ok': np.bool_(True), 'a': np.arange(3)}, tmp_path / 'r.json')
+    assert json.loads(path.read_text()) == {'n': 3, 'x': 0.5, 'ok': True, 'a': [0, 1, 2]}
+    with pytest.raises(TypeError, match='not JSON serializable'): write_json({'f': object()}, path)
+    assert json.loads(path.read_text())['n'] == 3 and sorted(p.name for p in tmp_path.iterdir()) == ['r.json']

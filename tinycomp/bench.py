@@ -5,9 +5,8 @@
 # %% auto #0
 __all__ = ['CLI_ORDER', 'conv_benchmark', 'train_benchmark', 'add_cli']
 
-# %% ../nbs/97_bench.ipynb #bf4ed6e0
+# %% ../nbs/97_bench.ipynb #14f9ae44
 import argparse
-import json
 import platform
 import time
 
@@ -16,9 +15,10 @@ import numpy as np
 
 from .conv import CONV_BENCH_SHAPES, conv2d_backward, conv2d_forward, conv2d_im2col, conv2d_naive
 from .profiling.counting import conv2d_flops
-from .profiling.timing import optional_torch, positive_int, set_threads, thread_info, threads_arg, time_fn
+from .files import write_json
+from .profiling.timing import add_measure_options, optional_torch, positive_int, set_threads, thread_info, time_fn
 
-# %% ../nbs/97_bench.ipynb #73d3c004
+# %% ../nbs/97_bench.ipynb #339bd93e
 def _conv_row(shape, repeats, naive, torch, settle=0.2):
     n, cin, h, w, cout = shape
     rng = np.random.default_rng(0)
@@ -50,7 +50,7 @@ def _conv_row(shape, repeats, naive, torch, settle=0.2):
         res['bwd_vs_torch'] = t['torch_bwd']['median'] / t['tinycomp_bwd']['median']
     return res
 
-# %% ../nbs/97_bench.ipynb #10a86c4c
+# %% ../nbs/97_bench.ipynb #71fe7327
 def _fmt_row(r):
     t = r['timings']
     def cell(k):
@@ -82,8 +82,7 @@ def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_to
         for r in rows: print(_fmt_row(r))
         print("fwd/np, fwd/pt: tinycomp forward speed relative to NumPy im2col and PyTorch (>1 = faster); "
               "bwd/fw: tinycomp backward time / forward time; bwd/pt: backward speed relative to PyTorch.")
-    if json_path:
-        with open(json_path, 'w') as f: json.dump(result, f, indent=1)
+    if json_path: write_json(result, json_path)
     return result
 
 # %% ../nbs/97_bench.ipynb #63c7b64e
@@ -125,7 +124,7 @@ def _train_torch(torch, batches, epochs, lr, test):
     with torch.no_grad(): acc = (model(torch.from_numpy(test[0])).argmax(1).numpy() == test[1]).mean()
     return seconds, float(acc)
 
-# %% ../nbs/97_bench.ipynb #f60ca935
+# %% ../nbs/97_bench.ipynb #f2c2295e
 def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=None, verbose=True):
     "Train digits_cnn `epochs` epochs with tinycomp and (if installed) PyTorch on identical batches; print times and the ratio."
     from tinycomp.data import DataLoader, load_digits
@@ -154,11 +153,10 @@ def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=N
             print(f"  {name:9s} {r['median_s']:7.3f} s  (min {r['min_s']:.3f}, max {r['max_s']:.3f})  test accuracy {r['test_accuracy']:.2%}")
         if torch is not None: print(f"  tinycomp / PyTorch time: {result['ratio_tinycomp_over_torch']:.2f}x")
         else: print("  (PyTorch is not installed: no comparison)")
-    if json_path:
-        with open(json_path, 'w') as f: json.dump(result, f, indent=1)
+    if json_path: write_json(result, json_path)
     return result
 
-# %% ../nbs/97_bench.ipynb #551ed7d8
+# %% ../nbs/97_bench.ipynb #dc4ee221
 CLI_ORDER = 20
 
 def _run_conv(args):
@@ -168,9 +166,6 @@ def _run_conv(args):
 def _run_train(args):
     train_benchmark(epochs=args.epochs, runs=args.runs, threads=args.threads, use_torch=not args.no_torch, json_path=args.json)
     return 0
-
-_THREADS_HELP = ('threads for Numba, OpenBLAS and PyTorch, 1 to the number of cores (default: leave as is: '
-                 'NUMBA_NUM_THREADS or all cores)')
 
 def add_cli(subparsers):
     "Register `bench` (with the `conv` and `train` sub-subcommands) on an argparse `subparsers` object; returns the bench subparsers."
@@ -186,9 +181,7 @@ def add_cli(subparsers):
         description='Time 3x3, padding-1 convolutions at five shapes, from a digits CNN to a ResNet stage: naive '
                     'Python loops (smallest shape only), NumPy im2col + matmul, the tinycomp forward and backward '
                     'passes, and PyTorch when it is installed. Prints GFLOP/s and speed ratios.')
-    conv.add_argument('--threads', type=threads_arg, default=None, metavar='N', help=_THREADS_HELP)
-    conv.add_argument('--json', default=None, metavar='PATH', help='also write the results as JSON to PATH')
-    conv.add_argument('--repeats', type=positive_int, default=20, metavar='R', help='timed runs per measurement (default %(default)s)')
+    add_measure_options(conv)
     conv.add_argument('--no-torch', action='store_true', help='skip PyTorch even if it is installed')
     conv.set_defaults(func=_run_conv)
     train = sub.add_parser(
@@ -198,8 +191,7 @@ def add_cli(subparsers):
                     "prints the median time of a few runs after a warm-up run, and the ratio.")
     train.add_argument('--epochs', type=positive_int, default=15, metavar='E', help='epochs per run (default %(default)s)')
     train.add_argument('--runs', type=positive_int, default=3, metavar='R', help='timed runs (default %(default)s)')
-    train.add_argument('--threads', type=threads_arg, default=None, metavar='N', help=_THREADS_HELP)
-    train.add_argument('--json', default=None, metavar='PATH', help='also write the results as JSON to PATH')
+    add_measure_options(train, repeats=None)
     train.add_argument('--no-torch', action='store_true', help='skip PyTorch even if it is installed')
     train.set_defaults(func=_run_train)
     return sub

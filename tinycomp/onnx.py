@@ -9,7 +9,7 @@ __all__ = ['ONNX_EXTRA', 'DEFAULT_OPSET', 'MIN_OPSET', 'QUANTIZED_FORMS', 'INT8_
            'agreement_table', 'format_agreement', 'run_onnx_emulated', 'lsb_diff', 'export_command', 'import_command',
            'add_cli', 'onnx_benchmark', 'format_onnx_benchmark', 'add_bench_cli']
 
-# %% ../nbs/96_onnx.ipynb #531dbb48
+# %% ../nbs/96_onnx.ipynb #d01a25c8
 import copy
 import json
 import os
@@ -26,7 +26,7 @@ import numpy as np
 import tinycomp
 from .conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair
 from .errors import TinycompError
-from .files import atomic_write
+from .files import atomic_write, write_json
 from .nn.modules import Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential, Sigmoid, Tanh
 from .pruning.masks import MaskedConv2d, MaskedLinear
 from .pruning.sparse import SparseConv2d, SparseLinear
@@ -880,7 +880,7 @@ def add_cli(subparsers):
     q.set_defaults(func=_run_import)
     return p
 
-# %% ../nbs/96_onnx.ipynb #59e0c4c1
+# %% ../nbs/96_onnx.ipynb #712aa584
 def _bench_models():
     from tinycomp.data import load_digits
     from tinycomp.models import load_pretrained
@@ -925,7 +925,7 @@ def onnx_benchmark(threads=None, json_path=None, repeats=20, verbose=True, batch
                             python=platform.python_version(), repeats=repeats, batches=list(batches)))
     if verbose: print(format_onnx_benchmark(result))
     if json_path:
-        with open(json_path, 'w') as fh: json.dump(result, fh, indent=1)
+        write_json(result, json_path)
     return result
 
 def format_onnx_benchmark(result) -> str:
@@ -958,16 +958,13 @@ def _run_bench(args):
 
 def add_bench_cli(bench_subparsers):
     "Register `tinycomp bench onnx [--threads N] [--json PATH] [--repeats R]`."
-    from tinycomp.profiling.timing import positive_int, threads_arg
+    from tinycomp.profiling.timing import add_measure_options
     p = bench_subparsers.add_parser(
         'onnx', help='our float32 and int8 digits CNNs against ONNX Runtime, batch 1 and 64',
         description='Time our float32 and static int8 digits_cnn and digits_cnn_wide against ONNX Runtime running '
                     'their exported ONNX files (QDQ int8, which ORT runs with its integer kernels), with the same '
                     'thread count, at batch 1 and 64, in one run; prints our latency over ORT\'s. Needs the onnx '
                     f'extra: {ONNX_EXTRA}.')
-    p.add_argument('--threads', type=threads_arg, default=None, metavar='N',
-                   help='threads for Numba, OpenBLAS and ONNX Runtime, 1 to the number of cores (default: leave as is)')
-    p.add_argument('--json', default=None, metavar='PATH', help='also write the results as JSON to PATH')
-    p.add_argument('--repeats', type=positive_int, default=20, metavar='R', help='timed runs per measurement (default %(default)s)')
+    add_measure_options(p)                          # ONNX Runtime gets the same count (intra-op threads)
     p.set_defaults(func=_run_bench)
     return p

@@ -5,8 +5,7 @@
 # %% auto #0
 __all__ = ['CLI_ORDER', 'tour', 'add_cli']
 
-# %% ../nbs/97a_tour.ipynb #8b6c6275
-import json
+# %% ../nbs/97a_tour.ipynb #dbeed48b
 import time
 from pathlib import Path
 
@@ -16,11 +15,12 @@ from .benchmarking.harness import predict
 from .benchmarking.pipeline import DEFAULT_RECIPE, compress, load_recipe
 from .data import load_digits
 from .errors import TinycompError
+from .files import write_json
 from .io import save
 from .models import MODELS, digits_split_sizes, load_pretrained, plot_history, pretrained_info, train_reference
-from .profiling.timing import threads_arg
+from .profiling.timing import add_measure_options, threads_arg
 
-# %% ../nbs/97a_tour.ipynb #16643479
+# %% ../nbs/97a_tour.ipynb #698ac770
 def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='digits_cnn_wide', recipe=None,
          rounds=20, verbose=True) -> dict:
     """The main job: the reference CNN `model` (shipped weights, or `retrain`ed), compressed with `recipe` (default:
@@ -55,7 +55,7 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
     model_path, report_json, stages_png, failures_png = (out / f'{model}_compressed.npz', out / 'compression_report.json',
                                                           out / 'compression_report.png', out / 'critical_failures.png')
     save(final, model_path)
-    report_json.write_text(json.dumps(report.to_dict(), indent=1), encoding='utf-8')
+    write_json(report.to_dict(), report_json)
     report.plot(stages_png)
     plot_critical_failures(test[0], test[1], ev['baseline']['predictions'], ev['candidate']['predictions'],
                            path=failures_png, title=f"{model}: right before compression, wrong after")
@@ -79,7 +79,7 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
     figures['seconds'] = time.perf_counter() - started
     return figures
 
-# %% ../nbs/97a_tour.ipynb #88a5378a
+# %% ../nbs/97a_tour.ipynb #dd4ad147
 CLI_ORDER = 10
 
 def _run_tour(args) -> int:
@@ -97,8 +97,7 @@ def add_cli(subparsers):
                     'failures. Writes the compressed model, the report and the plots to --out.')
     p.add_argument('--retrain', action='store_true', help='train the model from scratch with its fixed recipe instead of loading the shipped weights')
     p.add_argument('--out', default='tinycomp_tour', metavar='DIR', help='directory for the model file, report and plots (default: %(default)s)')
-    p.add_argument('--threads', type=threads_arg, default=1, metavar='N',
-                   help='threads while measuring and training, 1 to the number of cores (default: 1, where ratios are stable)')
+    add_measure_options(p, repeats=None, json=False, threads=1)
     p.add_argument('--model', default='digits_cnn_wide', choices=sorted(MODELS), help='the reference model (default: %(default)s)')
     p.add_argument('--recipe', default=None, metavar='FILE', help='a recipe file (JSON or TOML) instead of the default recipe')
     p.add_argument('--no-progress', action='store_true', help='no progress bars')

@@ -8,7 +8,7 @@ __all__ = ['OBSERVERS', 'STAGES', 'DEFAULT_RECIPE', 'CLI_ORDER', 'model_kind', '
            'CompressionReport', 'compress', 'compress_command', 'add_cli', 'default_configurations', 'SweepResult',
            'strategy_sweep', 'recommend', 'example_budgets', 'strategies_benchmark', 'add_bench_cli']
 
-# %% ../../nbs/07c_pipeline.ipynb #49600351
+# %% ../../nbs/07c_pipeline.ipynb #5770f988
 import copy
 import difflib
 import json
@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import TinycompError, ShapeError
+from ..files import write_json
 from ..tensor import Tensor, no_grad, manual_seed
 from ..nn import Module
 from ..optim import Adam, CosineAnnealingLR
@@ -597,7 +598,7 @@ def compress(model, recipe, data=None, batch_sizes=(1, 64), measure=True, progre
     report.comparison = comparison
     return current, report
 
-# %% ../../nbs/07c_pipeline.ipynb #d2747172
+# %% ../../nbs/07c_pipeline.ipynb #aec15daf
 CLI_ORDER = 35                      # after tour, bench, profile and train; before the course commands
 
 def _umask() -> int:
@@ -619,9 +620,6 @@ def _write_outputs(writers):
     finally:
         for tmp in temps.values():
             if tmp.exists(): tmp.unlink()
-
-def _save_json(obj, path):
-    Path(path).write_text(json.dumps(obj, indent=1, allow_nan=True), encoding='utf-8')
 
 def _save_figure(fig, path):
     import matplotlib.pyplot as plt
@@ -653,7 +651,7 @@ def compress_command(recipe, model, out, report=None, threads=1, progress=True, 
     result = dict(rep.to_dict(), model=str(source), recipe_source=recipe_source, out=str(out))
     fig = rep.plot()
     _write_outputs({out: lambda p: save(final, p),         # no metadata: the file is the size the report says
-                    json_path: lambda p: _save_json(result, p), png_path: lambda p: _save_figure(fig, p)})
+                    json_path: lambda p: write_json(result, p), png_path: lambda p: _save_figure(fig, p)})
     print(f"\nwrote {out} ({out.stat().st_size:,} bytes), {json_path}, {png_path}")
     return result
 
@@ -663,7 +661,7 @@ def _run_compress(args) -> int:
 
 def add_cli(subparsers):
     "Register `tinycomp compress RECIPE --model NAME|FILE --out FILE` on an argparse `subparsers` object."
-    from tinycomp.profiling.timing import threads_arg
+    from tinycomp.profiling.timing import add_measure_options
     p = subparsers.add_parser(
         'compress', help='run a compression recipe (prune -> distill -> quantize ...) and report what each stage bought',
         description='Run the stages of RECIPE in order on a model, evaluate each stage on the digits test split, '
@@ -678,8 +676,7 @@ def add_cli(subparsers):
     p.add_argument('--model', required=True, metavar='NAME|FILE', help=f"a pretrained model ({', '.join(sorted(MODELS))}) or a model file")
     p.add_argument('--out', required=True, metavar='FILE', help='where to write the compressed model (.npz)')
     p.add_argument('--report', default=None, metavar='PREFIX', help='write PREFIX.json and PREFIX.png (default: OUT with those suffixes)')
-    p.add_argument('--threads', type=threads_arg, default=1, metavar='N',
-                   help='Numba and OpenBLAS threads while measuring, 1 to the number of cores (default: 1, where ratios are stable)')
+    add_measure_options(p, repeats=None, json=False, threads=1)
     p.add_argument('--no-progress', action='store_true', help='no progress bars')
     p.add_argument('--seed', type=int, default=0, metavar='S', help='seed of training and measurement (default %(default)s)')
     p.set_defaults(func=_run_compress)
@@ -868,7 +865,7 @@ def recommend(results, max_latency_ms=None, max_bytes=None, min_accuracy=None, b
                 constraints=dict(max_latency_ms=max_latency_ms, max_bytes=max_bytes, min_accuracy=min_accuracy),
                 batch_size=batch_size, explanation='\n'.join(lines))
 
-# %% ../../nbs/07c_pipeline.ipynb #02214c02
+# %% ../../nbs/07c_pipeline.ipynb #0911a5e9
 def example_budgets(original_row) -> dict:
     "Two budgets relative to the original model's measured row: {description: recommend keyword arguments}."
     acc, ms, size = original_row['accuracy'], original_row['latency_ms'][1], original_row['file_bytes']
@@ -898,7 +895,7 @@ def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path
         fig = sweep.plot()
         _write_outputs({png_path: lambda p: _save_figure(fig, p)})
         if verbose: print(f"\nPareto plot: {png_path}")
-    if json_path is not None: _write_outputs({json_path: lambda p: _save_json(result, p)})
+    if json_path is not None: _write_outputs({json_path: lambda p: write_json(result, p)})
     return result
 
 def _run_strategies(args) -> int:
@@ -907,7 +904,7 @@ def _run_strategies(args) -> int:
 
 def add_bench_cli(bench_subparsers):
     "Register `tinycomp bench strategies [--threads N] [--json PATH] [--out PNG] [--model NAME] [--epochs E]`."
-    from tinycomp.profiling.timing import positive_int, threads_arg
+    from tinycomp.profiling.timing import add_measure_options, positive_int
     p = bench_subparsers.add_parser(
         'strategies', help='sweep compression recipes, Pareto front and a recommendation for a budget',
         description='Build the default configurations (int8; channel pruning at 25/50/75 %% with fine-tuning; '
@@ -916,9 +913,7 @@ def add_bench_cli(bench_subparsers):
                     'Pareto front of (accuracy, latency at batch 1, file bytes) and its knee, and recommend a '
                     'configuration for two example budgets. Speedup = baseline latency / candidate latency (>1 = '
                     'faster); compression = baseline bytes / candidate bytes.')
-    p.add_argument('--threads', type=threads_arg, default=1, metavar='N',
-                   help='Numba and OpenBLAS threads while measuring, 1 to the number of cores (default: 1, where ratios are stable)')
-    p.add_argument('--json', default=None, metavar='PATH', help='also write the results as JSON to PATH')
+    add_measure_options(p, repeats=None, threads=1)
     p.add_argument('--out', default='strategies_pareto.png', metavar='PNG', help='where to save the Pareto plot (default %(default)s)')
     p.add_argument('--model', default='digits_cnn_wide', metavar='NAME|FILE', help='pretrained name or model file (default %(default)s)')
     p.add_argument('--epochs', type=positive_int, default=4, metavar='E',

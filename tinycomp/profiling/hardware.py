@@ -8,7 +8,7 @@ __all__ = ['CLI_ORDER', 'measure_peak_flops', 'measure_bandwidth', 'attainable_f
            'auto_adjust_batch_size', 'knee', 'batch_sweep', 'plot_batch_sweep', 'thread_sweep', 'plot_thread_sweep',
            'build_hardware_profile', 'write_hardware_profile_artifacts', 'load_model', 'add_cli']
 
-# %% ../../nbs/03c_hardware.ipynb #df2b4409
+# %% ../../nbs/03c_hardware.ipynb #42d77a9d
 import argparse
 import csv
 import gc
@@ -23,7 +23,7 @@ from numba import njit, prange
 from ..errors import TinycompError
 from ..files import atomic_write
 from .counting import profile_model
-from .timing import positive_int, set_threads, thread_info, threads_arg, time_fn, usable_cores
+from .timing import add_measure_options, positive_int, set_threads, thread_info, time_fn, usable_cores
 from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/03c_hardware.ipynb #31685d2e
@@ -146,7 +146,7 @@ def roofline(profile_or_rows, peak=None, bandwidth=None, path=None, title=None):
         fig.savefig(path, dpi=120)
     return dict(peak_gflops=float(peak), bandwidth_gbs=float(bandwidth), ridge=float(ridge), rows=layers, figure=fig)
 
-# %% ../../nbs/03c_hardware.ipynb #1300feea
+# %% ../../nbs/03c_hardware.ipynb #a47a14fa
 def format_table(rows, columns) -> str:
     "Rows (dicts) as an aligned text table; `columns` is a list of (key, header, format spec); None prints '-'."
     def cell(v, spec):
@@ -399,7 +399,7 @@ def write_hardware_profile_artifacts(profile, directory) -> list:
                      [[k, fmt(v)] for k, v in profile['totals'].items()])
     return [ops, tot]
 
-# %% ../../nbs/03c_hardware.ipynb #2585b780
+# %% ../../nbs/03c_hardware.ipynb #e5a31c60
 _SWEEPS = {   # --sweep: (run, plot, table columns, plot title)
     'batch': (batch_sweep, plot_batch_sweep,
               [('batch', 'batch', 'd'), ('latency_ms', 'ms/batch', '.3f'), ('per_sample_us', 'us/sample', '.2f'),
@@ -503,14 +503,12 @@ def add_cli(subparsers):
                    help='a model name (digits_cnn, digits_cnn_wide; pretrained weights) or a file saved by '
                         'tinycomp.io.save (default %(default)s)')
     p.add_argument('--batch', type=positive_int, default=64, metavar='N', help='batch size (default %(default)s)')
-    p.add_argument('--threads', type=threads_arg, default=None, metavar='N',
-                   help='threads for Numba and BLAS, 1 to the number of cores (default: leave as is)')
+    add_measure_options(p, json=False)
     p.add_argument('--out', default='tinycomp_profile', metavar='DIR', help='output directory (default %(default)s)')
     p.add_argument('--trace', action='store_true', help='also write a Chrome trace, trace.json (open in Perfetto)')
     p.add_argument('--roofline', action='store_true', help='also draw the roofline to roofline.png')
     p.add_argument('--sweep', choices=('batch', 'threads'), default=None,
                    help='also sweep batch sizes (1 to 256) or thread counts (1 to the cores), table and plot')
-    p.add_argument('--repeats', type=positive_int, default=20, metavar='R', help='timed runs per measurement (default %(default)s)')
     p.add_argument('--shape', type=_shape_arg, default=(1, 8, 8), metavar='C,H,W',
                    help='shape of one input sample (default 1,8,8: test digits; other shapes get random inputs)')
     p.set_defaults(func=_run_profile)

@@ -8,9 +8,8 @@ __all__ = ['CLI_ORDER', 'agp_sparsity', 'prune_with_agp', 'rewind', 'movement_sc
            'compress_to_size', 'stored_weights', 'pruned_models', 'model_table', 'acceptance', 'prune_benchmark',
            'add_bench_cli']
 
-# %% ../../nbs/05d_recipes.ipynb #3ee8fac6
+# %% ../../nbs/05d_recipes.ipynb #e8f06be6
 import copy
-import json
 import platform
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import TinycompError
+from ..files import write_json
 from ..tensor import Tensor, no_grad, manual_seed
 from ..nn import Module, Conv2d, Linear
 from ..optim import Adam
@@ -346,7 +346,7 @@ def compress_to_size(model, target_bytes, data, calibration=None, train_loader=N
                             "or channel removal, or pass calibration images to try int8/int4")
     return best[1], dict(chosen=best[2], candidates=report)
 
-# %% ../../nbs/05d_recipes.ipynb #e02ed511
+# %% ../../nbs/05d_recipes.ipynb #6ec947f5
 CLI_ORDER = 46
 
 def stored_weights(model) -> int:
@@ -398,11 +398,6 @@ def acceptance(rows) -> dict:
             '90% AGP: accuracy >= 98.0 %': (s['accuracy'], s['accuracy'] >= 0.98),
             '90% AGP: sparse file <= 0.3x dense': (s['file_bytes'] / d['file_bytes'], s['file_bytes'] / d['file_bytes'] <= 0.3)}
 
-def _json_default(o):
-    if isinstance(o, (np.integer, np.floating, np.bool_)): return o.item()
-    if isinstance(o, np.ndarray): return o.tolist()
-    raise TypeError(f"{type(o).__name__} is not JSON serializable")
-
 def prune_benchmark(threads=None, json_path=None, repeats=10, verbose=True, structured_epochs=3, agp_epochs=6,
                     densities=(0.5, 0.3, 0.1, 0.05)) -> dict:
     """`tinycomp bench prune`: part c's sparse vs dense kernels at `densities` (1 thread), then digits_cnn_wide dense vs
@@ -431,7 +426,7 @@ def prune_benchmark(threads=None, json_path=None, repeats=10, verbose=True, stru
         print(variant_table(rows, note='weights = stored weight values (nonzeros for sparse layers)'))
         for k, (v, p) in acceptance(rows).items(): print(f"  {k:40s} {v:8.3f}  {'PASS' if p else 'FAIL'}")
     if json_path:
-        with open(json_path, 'w') as fh: json.dump(result, fh, indent=1, default=_json_default)
+        write_json(result, json_path)
     return result
 
 def _run_prune(args):
@@ -441,17 +436,14 @@ def _run_prune(args):
 
 def add_bench_cli(bench_subparsers):
     "Register `tinycomp bench prune [--threads N] [--json PATH] [--repeats R] [--epochs E]` on `tinycomp bench`'s subparsers."
-    from tinycomp.profiling.timing import positive_int, threads_arg
+    from tinycomp.profiling.timing import add_measure_options, positive_int
     p = bench_subparsers.add_parser(
         'prune', help='sparse vs dense kernels, and digits_cnn_wide dense vs structured vs unstructured-sparse',
         description='Time the CSR sparse kernels against dense ones at densities 50/30/10/5 %% (1 thread), then '
                     'digits_cnn_wide dense against 50 %% of its channels removed (fine-tuned) and against 90 %% '
                     'global unstructured sparsity (AGP fine-tuning, stored sparse): test accuracy, weights, file '
                     'bytes, latency at batch 1 and 64, all measured in the same run.')
-    p.add_argument('--threads', type=threads_arg, default=None, metavar='N',
-                   help='threads for Numba and OpenBLAS, 1 to the number of cores (default: leave as is)')
-    p.add_argument('--json', default=None, metavar='PATH', help='also write the results as JSON to PATH')
-    p.add_argument('--repeats', type=positive_int, default=10, metavar='R', help='timed runs per measurement (default %(default)s)')
+    add_measure_options(p, repeats=10)
     p.add_argument('--epochs', type=positive_int, default=3, metavar='E',
                    help='fine-tuning epochs of the structured model (the AGP run gets 2E; default %(default)s)')
     p.set_defaults(func=_run_prune)

@@ -12,9 +12,8 @@ __all__ = ['WEIGHT_BITS', 'SUPPORTED_LAYERS', 'CLI_ORDER', 'QuantStub', 'DeQuant
            'count_weights', 'layer_sensitivity', 'precision_plan', 'mixed_precision', 'measure_model',
            'quant_benchmark', 'add_bench_cli']
 
-# %% ../../nbs/04c_quantized_models.ipynb #c62566c3
+# %% ../../nbs/04c_quantized_models.ipynb #e56233e8
 import copy
-import json
 import platform
 import tempfile
 import time
@@ -25,7 +24,7 @@ import numpy as np
 from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair, conv2d, conv_output_size
 from ..data import load_digits
 from ..errors import TinycompError
-from ..files import register_layer
+from ..files import register_layer, write_json
 from ..nn.functional import linear
 from ..nn.modules import Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential
 from ..tensor import Tensor, as_tensor, default_generator, no_grad
@@ -1037,7 +1036,7 @@ def measure_model(model, test, path, repeats=20, batches=(1, 64)) -> dict:
         row['latency'][b] = dict(median=t['median'], p90=t['p90'], noisy=t['noisy'])
     return row
 
-# %% ../../nbs/04c_quantized_models.ipynb #29443865
+# %% ../../nbs/04c_quantized_models.ipynb #edde9cef
 CLI_ORDER = 45
 
 def _e2e(repeats, verbose):
@@ -1070,13 +1069,8 @@ def quant_benchmark(threads=None, json_path=None, repeats=20, verbose=True) -> d
     if verbose: print(kernels.format_benchmark(result['conv'])); print()
     result['digits_cnn'] = _e2e(repeats, verbose)
     if json_path:
-        with open(json_path, 'w') as fh: json.dump(result, fh, indent=1, default=_json_default)
+        write_json(result, json_path)
     return result
-
-def _json_default(o):
-    if isinstance(o, (np.integer, np.floating, np.bool_)): return o.item()
-    if isinstance(o, np.ndarray): return o.tolist()
-    raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
 def _run_quant(args):
     quant_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats)
@@ -1084,7 +1078,7 @@ def _run_quant(args):
 
 def add_bench_cli(bench_subparsers):
     "Register `tinycomp bench quant [--threads N] [--json PATH] [--repeats R]` on `tinycomp bench`'s subparsers."
-    from tinycomp.profiling.timing import positive_int, threads_arg
+    from tinycomp.profiling.timing import add_measure_options
     p = bench_subparsers.add_parser(
         'quant', help='int8 conv kernel vs float32 conv, and digits_cnn float32 vs int8 end to end',
         description='Time the integer-only int8 convolution (int8 in and out, requantization included) against '
@@ -1092,9 +1086,6 @@ def add_bench_cli(bench_subparsers):
                     'float32 against its static int8 version (per-channel weights, 256 calibration images): '
                     'latency at batch 1 and 64, test accuracy, file size and the speed ratios, all measured in '
                     'the same run.')
-    p.add_argument('--threads', type=threads_arg, default=None, metavar='N',
-                   help='threads for Numba and OpenBLAS, 1 to the number of cores (default: leave as is)')
-    p.add_argument('--json', default=None, metavar='PATH', help='also write the results as JSON to PATH')
-    p.add_argument('--repeats', type=positive_int, default=20, metavar='R', help='timed runs per measurement (default %(default)s)')
+    add_measure_options(p)
     p.set_defaults(func=_run_quant)
     return p
