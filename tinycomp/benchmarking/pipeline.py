@@ -432,7 +432,7 @@ def stage_table(measurements) -> list:
     return rows
     ### END SOLUTION
 
-# %% ../../nbs/07c_pipeline.ipynb #7be34889
+# %% ../../nbs/07c_pipeline.ipynb #3e3c8c0b
 def _stage_names(recipe) -> list:
     "Unique row names for the recipe's stages: the stage name, with #2, #3 ... for repeats."
     names, seen = [], {}
@@ -467,7 +467,7 @@ class CompressionReport:
         for r in self.rows:
             t = dict(stage=r['stage'], acc=r['accuracy'], params=r['params'], nonzero=r['nonzero_params'],
                      bytes=r['file_bytes'], comp=r['compression'], step=r['step_compression'], s=r['seconds'],
-                     dacc=f"{r['dacc_points']:+.2f}" + ('' if r['p_value'] is None else f" (p {r['p_value']:.2f}{'*' if r['significant'] else ''})"))
+                     dacc=f"{r['dacc_points']:+.2f}" + ('' if r['p_value'] is None else f" (p {r['p_value']:.2f}{' sig' if r['significant'] else ''})"))
             for b in (self.batch_sizes if self.measured else ()):
                 t[f'ms{b}'] = f"{r['latency_ms'][b]:.3f}{'*' if r['noisy'][b] else ''}"
                 lo, hi = r['speedup_ci'][b]
@@ -482,7 +482,7 @@ class CompressionReport:
         notes = ["speedup = baseline latency / candidate latency (>1 = faster; medians of all timed calls, bootstrap 95 % CI); "
                  "compression = baseline bytes / candidate bytes (>1 = smaller); baseline = 'original', 'step' = against "
                  "the previous stage; latencies are medians in ms; Δacc in points against 'original', p = McNemar's "
-                 "test (* = p < 0.05); time = seconds the stage took (training included)"]
+                 "test ('sig' = p < 0.05); time = seconds the stage took (training included)"]
         if self.measured and any(any(r['noisy'].values()) for r in self.rows):
             notes.append("* after a latency: coefficient of variation above 10 % (a busy machine); rerun when it is idle")
         if not self.measured: notes.append("latency not measured (measure=False)")
@@ -682,7 +682,7 @@ def add_cli(subparsers):
     p.set_defaults(func=_run_compress)
     return p
 
-# %% ../../nbs/07c_pipeline.ipynb #8dd6e62e
+# %% ../../nbs/07c_pipeline.ipynb #027ab81f
 def default_configurations(epochs=4) -> dict:
     "{name: recipe} of the default sweep: int8 only, channel pruning at 3 ratios, distillation, sparsity, combinations."
     e = int(epochs)
@@ -726,7 +726,7 @@ class SweepResult:
         out = []
         for r in self.rows:
             t = dict(mark=('K' if r['knee'] else '*') if r['on_front'] else '', name=r['name'], acc=r['accuracy'],
-                     dacc=f"{r['dacc_points']:+.2f}" + ('*' if r['significant'] else ''), bytes=r['file_bytes'],
+                     dacc=f"{r['dacc_points']:+.2f}" + (' sig' if r['significant'] else ''), bytes=r['file_bytes'],
                      comp=r['compression'], s=r['build_seconds'])
             for b in self.batch_sizes:
                 t[f'ms{b}'] = f"{r['latency_ms'][b]:.3f}{'*' if r['noisy'][b] else ''}"
@@ -739,8 +739,8 @@ class SweepResult:
         return '\n'.join([format_table(out, cols),
                           f"P: * = on the Pareto front of ({', '.join(self.objectives)}), K = its knee; "
                           "speedup = baseline latency / candidate latency (>1 = faster); compression = baseline bytes / "
-                          "candidate bytes (>1 = smaller); baseline = 'original'; Δacc in points, * after it = McNemar "
-                          "p < 0.05; * after a latency = CV above 10 %; build = seconds to make the model"])
+                          "candidate bytes (>1 = smaller); baseline = 'original'; Δacc in points, 'sig' after it = "
+                          "McNemar p < 0.05; * after a latency = CV above 10 %; build = seconds to make the model"])
 
     def __str__(self): return self.table()
 
