@@ -15,9 +15,9 @@ from ..course.spec import Check, ModuleSpec, arr, f32
 # %% ../../nbs/checks/07_benchmarking.ipynb #5e97f9cc
 def _wilson_inputs(kind):
     def make(rng):
-        n = int(rng.integers(5, 40)) if kind == 'edges' else int(rng.integers(50, 600))
+        n = int(np.exp(rng.uniform(np.log(5), np.log(1e6)))) if kind == 'edges' else int(rng.integers(50, 600))
         correct = int(rng.choice([0, n, 1, n - 1])) if kind == 'edges' else int(rng.integers(1, n))
-        return {'correct': np.array(correct), 'n': np.array(n), 'z': np.array(float(rng.choice([1.645, 1.96, 2.576])))}
+        return {'correct': np.array(correct), 'n': np.array(n), 'z': np.array(float(rng.uniform(1.0, 3.5)))}
     return make
 
 def _run_wilson(ns, i):
@@ -154,7 +154,10 @@ def _knee_inputs(kind):
             other = 4 + int(np.argmin(pos[4:len(F)]))
             a, b = (2, other) if pos[2] < pos[3] else (3, other)
             order[pos[a]], order[pos[b]] = order[pos[b]], order[pos[a]]
-        return {'points': P[order], 'maximize': mx}
+        # decoys: the knee is not the only row that appears twice. A copy of a dominated row comes first and a copy
+        # of another front row last, so "the duplicated row" (first or last) is never the knee.
+        dominated_row, front_row = len(F) + int(rng.integers(0, len(G) - len(F))), 4 + int(rng.integers(0, len(F) - 4))
+        return {'points': np.vstack([P[dominated_row], P[order], P[front_row]]), 'maximize': mx}
     return make
 
 def _run_knee(ns, i):

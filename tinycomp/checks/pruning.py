@@ -100,12 +100,13 @@ def _run_csr(ns, i):
     return {'indptr': arr(indptr), 'indices': arr(indices), 'data': arr(data)}
 
 def _csr_mm_inputs(rng):
+    "A CSR matrix drawn row by row (column indices and values), never converted from a dense one, and a dense `x`."
     m, k, n = int(rng.integers(3, 9)), int(rng.integers(3, 12)), int(rng.integers(1, 6))
-    a = _sparse(rng, m, k, float(rng.uniform(0.2, 0.6)))
-    mask = a != 0
-    indptr = np.concatenate([[0], np.cumsum(mask.sum(axis=1))]).astype(np.int32)
-    rows, cols = np.nonzero(mask)
-    return {'indptr': indptr, 'indices': cols.astype(np.int32), 'data': a[rows, cols], 'x': f32(rng, k, n)}
+    counts = rng.binomial(k, float(rng.uniform(0.2, 0.6)), m)
+    counts[int(rng.integers(0, m))] = 0                                  # an empty row
+    indices = np.concatenate([np.sort(rng.choice(k, c, replace=False)) for c in counts])
+    return {'indptr': np.concatenate([[0], np.cumsum(counts)]).astype(np.int32), 'indices': indices.astype(np.int32),
+            'data': f32(rng, int(counts.sum())), 'x': f32(rng, k, n)}
 
 def _run_csr_mm(ns, i): return {'y': arr(ns.csr_matmul(i['indptr'], i['indices'], i['data'], i['x']))}
 

@@ -108,9 +108,15 @@ def _multiplier_inputs(kind):
             odd = 4 * rng.integers(2**29, 2**30, 8) + 1                 # in [2**31, 2**32): mantissa = odd / 2**32,
             m = np.ldexp(odd.astype(np.float64), e - 32)                 # mantissa * 2**31 = (even number) + 0.5
         else:
-            e = int(rng.integers(-10, 0))
-            m = np.array([0.0, 2.0 ** e, 1.0, np.ldexp(1 - 2.0 ** -33, e), np.ldexp(1 - 2.0 ** -40, e + 1),
-                          2.0 ** -40, 2.0 ** -33 * 1.5, 2.0 ** 31, 3e9])
+            below = lambda e: np.ldexp(1 - rng.uniform(0.01, 0.99) * 2.0 ** -32, e)   # rounds up to 2**31: a carry
+            near = lambda lo, hi: np.ldexp(rng.uniform(0.5, 1), int(rng.integers(lo, hi)))
+            m = rng.permutation([0.0, 1.0, 2.0 ** int(rng.integers(-30, 0)), below(int(rng.integers(-30, 30))),
+                                 below(-32),           # the carry lifts it out of the too-small range
+                                 below(30),            # the carry lifts it into the too-large range
+                                 near(-40, -31),       # just too small (exponent -40 .. -32)
+                                 near(-200, -40),      # far too small
+                                 near(31, 60),         # too large
+                                 near(30, 31)])        # the largest exponent that fits
         return {'real_multiplier': np.asarray(m, np.float64)}
     return make
 

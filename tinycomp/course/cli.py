@@ -46,8 +46,10 @@ def next_step(spec: ModuleSpec, folder: Path) -> str:
 
 def test_module(key: str, notebooks=None, json_path=None, seed=None, record=True, quiet=False, sandbox=None) -> int:
     """Grade module `key` (learner command). Exit code 0 only when every exercise passes.
-    `sandbox`: True (required), False (never) or None (when this machine has one)."""
+    `sandbox`: True (required), False (never) or None (when this machine has one). A `seed` of your own replays the
+    fresh inputs of an earlier run: that is practice, and it is not recorded in your progress."""
     spec = get_spec(key)
+    practice = seed is not None
     nbs = notebooks or default_notebooks(spec)
     use = bool(bwrap_path()) if sandbox is None else sandbox
     if use and not bwrap_path():
@@ -57,10 +59,12 @@ def test_module(key: str, notebooks=None, json_path=None, seed=None, record=True
         print(format_report(report))
         if not use: print(f"\n(graded without the OS sandbox: {sandbox_problem() or 'switched off'}. The result is honest "
                           "feedback for you, not proof for anyone else.)")
-        if report.passed: print('\n' + next_step(spec, Path(report.notebooks[0]).resolve().parent))
+        if practice: print(f"\n(practice run with the seed you chose, {seed}: not recorded in your progress. Without "
+                           "--seed, every run draws fresh inputs nobody knows in advance.)")
+        elif report.passed: print('\n' + next_step(spec, Path(report.notebooks[0]).resolve().parent))
     if json_path:
         with atomic_write(json_path) as f: f.write((json.dumps(report.to_json(), indent=1) + '\n').encode())
-    if record: record_progress(report)
+    if record and not practice: record_progress(report)
     return 0 if report.passed else 1
 
 test_module.__test__ = False  # not a pytest test
@@ -75,7 +79,7 @@ def _grade_command(a) -> int:
     elif not bwrap_path():
         raise GradingError(f"the sandbox is not available: {sandbox_problem()}. Grading that counts needs it; "
                            "pass --no-sandbox only to try things out (results are then not tamper-proof)")
-    return grade(a.directory, a.module, a.out, jobs=a.jobs, seed=a.seed, fresh=a.fresh, sandbox=not a.no_sandbox)
+    return grade(a.directory, a.module, a.out, jobs=a.jobs, key_file=a.key_file, fresh=a.fresh, sandbox=not a.no_sandbox)
 
 def sandbox_command(bench=None, repeats=3) -> int:
     "Print what this machine offers for grading and, with `bench`, the time grading module `bench` takes with and without the sandbox."
@@ -116,7 +120,9 @@ def add_cli(subparsers):
     p.add_argument('--notebook', nargs='+', metavar='PATH',
                    help='notebook(s) or folder to grade (default: your folder modules/NN_name/)')
     p.add_argument('--json', dest='json_path', metavar='PATH', help='also write the report as JSON to PATH')
-    p.add_argument('--seed', type=int, help='seed of the fresh inputs (default: random)')
+    p.add_argument('--seed', type=int, help='replay the fresh inputs of an earlier run (its seed is printed at the end): '
+                                            'practice only, not recorded in your progress (default: fresh inputs nobody '
+                                            'knows in advance)')
     p.add_argument('--no-record', action='store_true', help='do not record the score in your progress file')
     p.add_argument('--no-sandbox', action='store_true', help='run your code without the OS sandbox even where there is one')
     p.set_defaults(func=lambda a: test_module(a.module, a.notebook, a.json_path, a.seed, record=not a.no_record,
@@ -137,13 +143,15 @@ def add_cli(subparsers):
     p.add_argument('--check', action='store_true', help='exit 1 if the stored reference outputs are out of date')
     p.set_defaults(func=lambda a: refs(check=a.check))
     p = subparsers.add_parser('grade', help='grade a folder of learners into a CSV gradebook (instructor)',
-                              description='Grade every learner in DIR (a notebook or a folder per learner) for one module, '
-                                          'with one fresh seed for all, into a CSV gradebook.')
+                              description='Grade every learner in DIR (a notebook or a folder per learner) for one module '
+                                          'into a CSV gradebook. Each learner gets fresh inputs drawn from a secret '
+                                          'grading key that only the instructor can read.')
     p.add_argument('directory', help='folder with one notebook or one folder per learner')
     p.add_argument('--module', required=True, help='module number, e.g. 01')
     p.add_argument('--out', default='gradebook.csv', help='CSV file to write (default: %(default)s)')
     p.add_argument('--jobs', type=int, default=1, help='learners graded in parallel (default: 1)')
-    p.add_argument('--seed', type=int, help='seed of the fresh inputs (default: random; a resumed gradebook keeps its own)')
+    p.add_argument('--key-file', metavar='PATH', help='the secret grading key (default: $TINYCOMP_GRADING_KEY, else '
+                                                      '~/.tinycomp/grading.key; made on first use; keep it private)')
     p.add_argument('--fresh', action='store_true', help='start the gradebook over instead of resuming it')
     p.add_argument('--no-sandbox', action='store_true',
                    help='grade without the OS sandbox (results are then NOT tamper-proof; for trying things out only)')

@@ -61,7 +61,7 @@ class CaseResult:
     "One check on one set of inputs."
     check: str
     case: str                    # 'fixed' or 'fresh'
-    status: str                  # 'pass', 'fail', 'error', 'timeout', 'todo'
+    status: str                  # 'pass', 'fail', 'error', 'timeout', 'todo', 'grader' (the machine kept it from running)
     message: str = ''
     inputs: dict = field(default_factory=dict)   # name -> {'shape': [...], 'dtype': str} (or 'value' for scalars)
 
@@ -71,7 +71,7 @@ class ExerciseResult:
     name: str
     points: float
     possible: float
-    status: str                  # 'pass', 'partial', 'fail', 'todo', 'timeout', 'error'
+    status: str                  # 'pass', 'partial', 'fail', 'todo', 'timeout', 'error', 'grader' (not graded: retry)
     diagnosis: str = ''          # one line per failing check
     checks: dict = field(default_factory=dict)   # check name -> status
     cases: list = field(default_factory=list)    # CaseResult of every case
@@ -88,12 +88,16 @@ class Report:
     @property
     def points(self): return sum(e.points for e in self.exercises)
     @property
+    def complete(self) -> bool:
+        "Was every check run to a verdict? (False when the machine was too busy for some: grade again.)"
+        return all(e.status != 'grader' for e in self.exercises)
+    @property
     def possible(self): return sum(e.possible for e in self.exercises)
     @property
     def passed(self): return bool(self.exercises) and all(e.status == 'pass' for e in self.exercises) and not self.error
     def to_json(self) -> dict:
         return {'module': self.module, 'notebooks': [str(n) for n in self.notebooks], 'seed': self.seed,
-                'points': self.points, 'possible': self.possible, 'passed': self.passed, 'error': self.error,
+                'points': self.points, 'possible': self.possible, 'passed': self.passed, 'complete': self.complete, 'error': self.error,
                 'elapsed_s': round(self.elapsed, 3), 'sandboxed': self.sandboxed, 'exercises': [asdict(e) for e in self.exercises]}
 
 # %% ../../nbs/98g_grading.ipynb #acab90ce
@@ -149,6 +153,7 @@ def _exercise_result(number, name, checks, cases, possible):
         if not ok: fails.append([x for x in mine if x.status != 'pass'])
     every = [x.status for x in cases]
     if not fails: status = 'pass'
+    elif all(x.status == 'grader' for bad in fails for x in bad): status = 'grader'
     elif earned > 0: status = 'partial'
     elif all(s == 'todo' for s in every): status = 'todo'
     elif 'timeout' in every: status = 'timeout'
@@ -164,14 +169,16 @@ def _exercise_result(number, name, checks, cases, possible):
     return ExerciseResult(number, name, earned, possible, status, '\n'.join(lines), statuses, cases)
 
 def _case_result(j, r, line_map) -> CaseResult:
-    "The verdict on job `j` given the child's result `r`."
+    "The verdict on job `j` given the child's result `r` (and the oracle calls the runner counted)."
     if r['status'] == 'done':
         if r.get('modified'):
             names = ', '.join(f"`{m}`" for m in r['modified'])
             status, msg = 'fail', f"changed its input {names} in place; leave inputs unmodified (work on a copy)"
         else:
-            ok, msg = compare_outputs(j.expected, r['arrays'], j.check)
+            got = {**r['arrays'], **j.check.oracle_outputs(j.inputs, r.get('calls', []))}   # the grader's count wins
+            ok, msg = compare_outputs(j.expected, got, j.check)
             status = 'pass' if ok else 'fail'
+    elif r.get('grader'): status, msg = 'grader', r.get('message', '')
     elif r['status'] == 'error' and r.get('type') == 'NotImplementedError' and 'Exercise' in r.get('message', ''):
         status, msg = 'todo', 'not done yet' + where(r, line_map, code=False)
     else: status, msg = r['status'], _case_message(r, j.check.exercise, line_map)
@@ -191,21 +198,23 @@ def _run(spec, code, jobs, spec_ref, **kw) -> dict:
     finally: remove_tree(work)
 
 def grade_notebook(spec: ModuleSpec, notebooks, seed: int = None, prepared=None, spec_ref: str = None,
-                   sys_path=(), mem_limit=DEFAULT_MEM_LIMIT, import_timeout=IMPORT_TIMEOUT, sandbox=False) -> Report:
-    """Grade the learner's `notebooks` (a notebook, a folder or a list) for module `spec`, in the OS sandbox if `sandbox`.
-    Raises `GradingError` when there is nothing to grade (no such notebook, not a notebook, no exported code)."""
+                   sys_path=(), mem_limit=DEFAULT_MEM_LIMIT, import_timeout=IMPORT_TIMEOUT, sandbox=False,
+                   hidden_files=()) -> Report:
+    """Grade the learner's `notebooks` (a notebook, a folder or a list) for module `spec`, in the OS sandbox if `sandbox`
+    (where `hidden_files`, such as the instructor's grading key, are not visible either). Raises `GradingError` when
+    there is nothing to grade (no such notebook, not a notebook, no exported code)."""
     t_start = time.monotonic()
     paths, code, line_map = _learner_code(spec, notebooks)
     seed, jobs = prepared if prepared is not None else prepare_checks(spec, seed)
     results = _run(spec, code, jobs, spec_ref, sys_path=sys_path, mem_limit=mem_limit, import_timeout=import_timeout,
-                   sandbox=sandbox)
+                   sandbox=sandbox, hidden_files=hidden_files)
     cases = {}
     for j in jobs:
         cases.setdefault(j.check.exercise, []).append(_case_result(j, results.get(j.id, {'status': 'error', 'message': 'not run'}), line_map))
     pts = spec.points_by_exercise()
     exercises = [_exercise_result(f"{spec.key}.{i + 1}", n, spec.checks_for(n), cases.get(n, []), pts[n])
                  for i, n in enumerate(spec.exercise_names())]
-    err = next((r for r in results.values() if r.get('phase') == 'import'), None)
+    err = next((r for r in results.values() if r.get('phase') == 'import' and not r.get('grader')), None)
     error = f"importing your notebook's code failed: {err.get('message', '')}{where(err, line_map)}" if err else ''
     return Report(spec.key, [str(p) for p in paths], seed, exercises, error, time.monotonic() - t_start, sandbox)
 
@@ -240,6 +249,8 @@ def format_report(report: Report) -> str:
     lines += ['-' * (w + 28), f"{'':<7}{'total':<{w + 2}}{_fmt(report.points) + '/' + _fmt(report.possible):>10}  "
               f"({report.elapsed:.1f} s, fresh seed {report.seed})"]
     fails = [e for e in report.exercises if e.status != 'pass']
+    if not report.complete:
+        lines += ['', "Some checks were not graded because the machine was too busy (see below): grade again."]
     if fails:
         lines += ['', 'What went wrong:']
         for e in fails:

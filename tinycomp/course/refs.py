@@ -41,10 +41,17 @@ def _as_output_dict(out, what):
 def _copy_inputs(inputs): return {k: np.array(v, copy=True) for k, v in inputs.items()}
 
 def reference_case(check: Check, seed, ref) -> tuple:
-    "`(inputs, expected outputs)` of `check` on inputs drawn from `seed`, computed with the reference namespace `ref`."
+    """`(inputs, expected outputs)` of `check` on inputs drawn from `seed`, computed with the reference namespace `ref`
+    the way the learner's code is run: on the visible inputs, with the oracle answered here."""
     inputs = {k: np.asarray(v) for k, v in check.make_inputs(np.random.default_rng(seed)).items()}
-    out = _as_output_dict(check.run(ref, _copy_inputs(inputs)), f"check {check.id}")
-    return inputs, out
+    visible = _copy_inputs(check.visible(inputs))
+    if check.oracle is None: out = check.run(ref, visible)
+    else:
+        calls = []
+        def ask(*args): calls.append(args); return check.oracle.answer(inputs, *args)
+        out = check.run(ref, visible, ask)
+        out = {**_as_output_dict(out, f"check {check.id}"), **check.oracle_outputs(inputs, calls)}
+    return inputs, _as_output_dict(out, f"check {check.id}")
 
 def fixed_seed(spec: ModuleSpec, check: Check) -> list:
     "The fixed seed of `check` (stable across runs and machines)."
