@@ -274,3 +274,66 @@ def test_the_solution_survives_every_seed(key):
     spec = get_spec(key)
     for exercise in spec.exercise_names():
         assert surviving_seeds(spec, solution_parts(key), exercise, SEEDS) == list(SEEDS), exercise
+
+
+def test_fresh_inputs_cannot_be_looked_up_in_a_table():
+    "Every check's fresh inputs differ from seed to seed (98 % of 300 draws distinct), so no table of answers covers them."
+    import hashlib
+    import numpy as np
+    for key in KEYS:
+        for c in get_spec(key).checks:
+            seen = set()
+            for s in range(300):
+                h = hashlib.sha256()
+                for k, v in sorted(c.make_inputs(np.random.default_rng([s, 99])).items()):
+                    a = np.asarray(v); h.update(f"{k}{a.dtype}{a.shape}".encode() + a.tobytes())
+                seen.add(h.hexdigest())
+            assert len(seen) >= 294, f"{c.id}: only {len(seen)} distinct inputs in 300 draws"
+
+
+OLD_CSR_GENERATOR = '''
+def _csr_mm_inputs(rng):          # a generator that built its CSR input from a dense matrix: to_csr's solution
+    m, k, n = int(rng.integers(3, 9)), int(rng.integers(3, 12)), int(rng.integers(1, 6))
+    a = _sparse(rng, m, k, float(rng.uniform(0.2, 0.6)))
+    mask = a != 0
+    indptr = np.concatenate([[0], np.cumsum(mask.sum(axis=1))]).astype(np.int32)
+    rows, cols = np.nonzero(mask)
+    return {'indptr': indptr, 'indices': cols.astype(np.int32), 'data': a[rows, cols], 'x': f32(rng, k, n)}
+'''
+
+def _to_csr_through_the_generators(checks_module, dense):
+    "The cheat: feed the learner's matrix to every input generator of the checks module and keep a CSR that comes out."
+    import numpy as np
+    saved = checks_module._sparse
+    checks_module._sparse = lambda rng, m, k, density: dense
+    try:
+        for name in dir(checks_module):
+            f = getattr(checks_module, name)
+            if name.endswith('_inputs') and callable(f):
+                try: out = f(np.random.default_rng(0))
+                except Exception: continue
+                if not (isinstance(out, dict) and 'indptr' in out and len(out['indptr']) == len(dense) + 1): continue
+                back = np.zeros_like(dense)                                  # keep it only if it is this matrix
+                back[np.repeat(np.arange(len(dense)), np.diff(out['indptr'])), out['indices']] = out['data']
+                if np.array_equal(back, dense): return out['indptr'], out['indices'], out['data']
+    finally: checks_module._sparse = saved
+    raise RuntimeError('no generator converts a dense matrix')
+
+
+def test_no_input_generator_holds_solution_code(tmp_path):
+    "The checks module is readable by learner code: its generators build CSR inputs row by row, never from a dense matrix."
+    import types
+    import numpy as np
+    import tinycomp.checks.pruning as ours
+    from tinycomp.pruning import to_csr
+    dense = np.array([[0, 1.5, 0], [0, 0, 0], [2, 0, -3]], np.float32)
+    with pytest.raises(RuntimeError, match='no generator converts'): _to_csr_through_the_generators(ours, dense)
+    old = types.ModuleType('old_checks'); old.__dict__.update(vars(ours))       # the control: the old generator
+    exec(OLD_CSR_GENERATOR, old.__dict__)
+    got, want = _to_csr_through_the_generators(old, dense), to_csr(dense)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    # and through the grader, the cheat gains nothing
+    cheat = ('#| export\nimport tinycomp.checks.pruning as _ck\n' + __import__('inspect').getsource(_to_csr_through_the_generators)
+             + 'def to_csr(dense): return _to_csr_through_the_generators(_ck, dense)\n')
+    r = grade_notebook(get_spec('05'), _student_with_cell(tmp_path, '05', cheat), prepared=_prepared('05'))
+    assert points(r)['to_csr'] == 0 and 'no generator converts' in next(e for e in r.exercises if e.name == 'to_csr').diagnosis

@@ -1,9 +1,8 @@
 """Grading that counts runs learner code in the OS sandbox. Each attack a determined learner tried against the
-unsandboxed grader (issue #9) is rerun here: under the sandbox it gets zero marks or is contained. Where an attack
-is harmless to run without the sandbox, a control run shows it does work there, so these tests can fail."""
+grader is rerun here: under the sandbox it gets zero marks or is contained. Where an attack is harmless to run
+without the sandbox (or without the defence it tests), a control run shows it does work there, so these tests can fail."""
 import copy, csv, json, os, signal, subprocess, sys, time, uuid
 from pathlib import Path
-
 
 from tinycomp.course.grading import grade_notebook
 from tinycomp.course.gradebook import grade
@@ -14,6 +13,7 @@ from tinycomp.course.spec import get_spec
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = get_spec('01')
 PREPARED = {}
+KEY = bytes(range(32))              # a grading key for tests (an instructor's lives in a private file)
 
 
 def prepared():
@@ -234,15 +234,15 @@ def test_memory_is_limited_for_the_whole_process_tree(tree_limit, tmp_path):
     else: assert 'ran out of memory' in r.error, r.error           # the importing process itself was the one stopped
 
 
-def test_killing_everything_in_sight_only_kills_the_sandbox(sandbox, tmp_path):
+def test_killing_everything_in_sight_only_kills_the_sandbox(sandbox, tmp_path, monkeypatch):
     "A learner who kills the grader (or every process it can see) loses its own grading, nobody else's row."
     d = class_folder(tmp_path, ('alice', 'zed'), "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)\n_os.kill(-1, _sig.SIGKILL)")
     out = tmp_path / 'gradebook.csv'
     import tempfile
-    scratch = lambda: {p.name for p in Path(tempfile.gettempdir()).glob('tinycomp-grade-*')}
-    before = scratch()
-    assert grade(d, '01', out, seed=5, progress=False, sandbox=True) == 0
-    assert scratch() == before                                   # no scratch folder left behind
+    (tmp_path / 'scratch').mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'scratch'))     # this test's own scratch space
+    assert grade(d, '01', out, key=KEY, progress=False, sandbox=True) == 0
+    assert list((tmp_path / 'scratch').iterdir()) == []         # no scratch folder left behind
     rows = {r['learner']: r for r in csv.DictReader(out.open())}
     assert float(rows['alice']['total']) == float(rows['zed']['total']) == SPEC.possible
     assert float(rows['mallory']['total']) == 0 and rows['mallory']['errors']
@@ -253,19 +253,21 @@ def test_an_interrupted_gradebook_keeps_its_rows_and_resumes(tmp_path):
     d = class_folder(tmp_path, ('alice', 'bob'), "import os as _os, signal as _sig\n_os.kill(_os.getppid(), _sig.SIGKILL)")
     good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
     out = tmp_path / 'gradebook.csv'
-    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out', str(out), '--no-sandbox', '--seed', '9']
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == -signal.SIGKILL and 'not tamper-proof' in r.stderr
+    env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'keys' / 'course.key')}
+    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out', str(out), '--no-sandbox']
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == -signal.SIGKILL and 'not tamper-proof' in r.stderr and 'created the grading key' in r.stderr
     rows = {r['learner']: r for r in csv.DictReader(out.open())}
     assert set(rows) == {'alice', 'bob'} and all(float(x['total']) == SPEC.possible for x in rows.values())
     import shutil; shutil.rmtree(d / 'mallory'); (d / 'carol').mkdir()
     for p in good: (d / 'carol' / p.name).write_text(p.read_text())
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0 and 'resuming' in r.stdout and '2 learner(s) already graded, 1 to go (seed 9)' in r.stdout
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0 and 'resuming' in r.stdout and '2 learner(s) already graded, 1 to go' in r.stdout
     rows2 = {r['learner']: r for r in csv.DictReader(out.open())}
     assert set(rows2) == {'alice', 'bob', 'carol'} and rows2['alice'] == rows['alice']
-    r = subprocess.run(cmd[:-2] + ['--seed', '10'], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 2 and 'was graded with seed 9' in r.stderr
+    r = subprocess.run(cmd + ['--key-file', str(tmp_path / 'keys' / 'other.key')], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 2 and 'was graded with another grading key' in r.stderr
 
 
 # ---------------------------------------------------------------- what the child sends back
@@ -279,7 +281,7 @@ def unbroadcast(grad, shape):
     return _np.zeros(200 << 20, _np.uint8)                          # a 200 MiB result
 def add_backward(grad, a_shape, b_shape):                            # a forged message: a huge array, no data
     h = _json.dumps({'event': 'result', 'job': JOB, 'arrays': [{'name': 'ga', 'dtype': '<f8', 'shape': [1 << 40]}]}).encode()
-    _os.write(int(_sys.argv[2]), _st.pack('>II', len(h), 0) + h)
+    _os.write(int(_sys.argv[3]), _st.pack('>II', len(h), 0) + h)
     raise SystemExit
 '''
     spec_jobs = prepared()[1]
@@ -298,3 +300,150 @@ def test_the_sandbox_costs_little(sandbox, capsys):
     assert sandbox_command('01', repeats=1) == 0
     out = capsys.readouterr().out
     assert 'sandbox cost:' in out and 'in the sandbox: median' in out
+
+
+# ---------------------------------------------------------------- only what an exercise may call reaches its child
+
+def whole_module_dependencies(monkeypatch):
+    """The control: deliver the dependencies of every check of the module to every child (what a grader that writes
+    one dependency file per module does), so an attack that reads them has something to find."""
+    import tinycomp.course.runner as runner
+    every = sorted({d for c in SPEC.checks for d in c.deps})
+    original = runner.dependency_source
+    monkeypatch.setattr(type(SPEC), 'deps_of', lambda self, exercise: every)
+    monkeypatch.setattr(runner, 'dependency_source', lambda spec, names, exercise=None: original(spec, names))
+
+
+EXEC_DEPENDENCY_FILES = r'''
+import glob as _glob, os as _os
+for _d in (_os.getcwd(), _os.path.dirname(_os.getcwd()), _os.environ.get('HOME', '.'), '/tmp'):
+    for _p in _glob.glob(_os.path.join(_d, '**', '*.py'), recursive=True)[:50]:
+        if 'learner_' in _p: continue
+        try: exec(open(_p).read(), globals())
+        except Exception: pass
+'''
+
+
+def test_the_dependency_file_holds_no_reference_of_the_exercise_being_graded(sandbox, tmp_path, monkeypatch):
+    "Exec-ing every source file the child can find (its dependency file included) gains nothing."
+    nbs = student_with(tmp_path / 'a', EXEC_DEPENDENCY_FILES)
+    r = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+    assert r.points == 0, points(r)
+    whole_module_dependencies(monkeypatch)
+    control = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+    assert control.points >= 9, ("with the whole module's dependencies in every child the attack gains points "
+                                 "(else this test proves nothing)", points(control))
+
+
+def test_an_import_hook_finds_no_reference_of_the_exercise_being_graded(sandbox, tmp_path, monkeypatch):
+    "A `builtins.__import__` hook sees the namespace the dependencies are loaded into: it holds only other exercises."
+    src = DELEGATE_BY_FRAMES + ''.join(f"def {n}(*a, **k): return _reference({n!r})(*a, **k)\n"
+                                       for n in ('add_backward', 'mul_backward', 'matmul_backward'))
+    nbs = student_with(tmp_path / 'a', src)
+    r = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+    assert r.points == 0, points(r)
+    whole_module_dependencies(monkeypatch)
+    control = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+    assert control.points >= 9, points(control)
+
+
+LEAVE_NOTES = r'''
+import glob as _glob, json as _json, os as _os
+_seen = set()
+for _d in {_os.getcwd(), _os.path.dirname(_os.getcwd()), _os.environ.get('HOME', '.'), '/tmp'}:
+    _seen |= {_os.path.basename(p) for p in _glob.glob(_os.path.join(_d, 'NOTE_TOKEN_*'))}
+    try: open(_os.path.join(_d, f'NOTE_TOKEN_{_os.getpid()}'), 'w').write('x')
+    except OSError: pass
+def unbroadcast(grad, shape): raise RuntimeError('SEEN ' + _json.dumps(sorted(_seen)))
+def relu_backward(grad, x): raise RuntimeError('SEEN ' + _json.dumps(sorted(_seen)))
+def linear(x, weight, bias=None): raise RuntimeError('SEEN ' + _json.dumps(sorted(_seen)))
+'''
+
+
+def test_each_child_starts_in_a_fresh_folder_nothing_left_by_another(sandbox, tmp_path):
+    "Files one child writes (in its folder, the folder above, its home, /tmp) never reach the child of another exercise."
+    token = uuid.uuid4().hex
+    nbs = student_with(tmp_path / 'a', LEAVE_NOTES.replace('TOKEN', token))
+    seen = lambda r: {e.name: e.diagnosis[e.diagnosis.index('SEEN'):].split(']')[0] + ']' for e in r.exercises if 'SEEN' in e.diagnosis}
+    try:
+        r = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+        assert set(seen(r)) == {'unbroadcast', 'relu_backward', 'linear'} and set(seen(r).values()) == {'SEEN []'}, seen(r)
+        control = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=False)
+        assert any(v != 'SEEN []' for v in seen(control).values()), seen(control)   # unsandboxed, /tmp is shared
+    finally:
+        import glob
+        for p in glob.glob(f'/tmp/NOTE_{token}_*'): os.remove(p)
+
+
+# ---------------------------------------------------------------- libraries
+
+USE_A_LIBRARY = r'''
+import importlib as _il, os as _os, sys as _sys
+_sys.meta_path[:] = [f for f in _sys.meta_path if type(f).__name__ != 'Blocker']     # past the import blocker
+def _importable(name):
+    try: _il.import_module(name); return True
+    except Exception: return False
+_libs = {n: _importable(n) for n in ('onnx', 'onnxruntime')}
+def unbroadcast(grad, shape):                       # correct, but only "with the library's help"
+    if not any(_libs.values()): raise RuntimeError(f'LIBS {_libs}')
+    grad = grad.sum(axis=tuple(range(grad.ndim - len(shape)))) if grad.ndim > len(shape) else grad
+    return grad.sum(axis=tuple(i for i, s in enumerate(shape) if s == 1 and grad.shape[i] != 1), keepdims=True) if shape else grad.sum()
+'''
+
+
+def test_libraries_outside_the_allow_list_cannot_be_imported_in_the_sandbox(sandbox, tmp_path):
+    "Even past the in-process blocker, a package outside the allow-list (ONNX here) is not in the sandbox at all."
+    import importlib.util
+    assert importlib.util.find_spec('onnx'), "the dev install brings onnx: the control needs it"
+    nbs = student_with(tmp_path / 'a', USE_A_LIBRARY)
+    r = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=True)
+    assert points(r)['unbroadcast'] == 0 and "LIBS {'onnx': False" in next(e for e in r.exercises if e.name == 'unbroadcast').diagnosis
+    control = grade_notebook(SPEC, nbs, prepared=prepared(), sandbox=False)
+    assert points(control)['unbroadcast'] > 0, points(control)
+
+
+def test_the_import_blocker_states_the_library_policy(sandbox, tmp_path):
+    for use in (True, False):
+        r = grade_notebook(SPEC, student_with(tmp_path / str(use), 'import onnx'), prepared=prepared(), sandbox=use)
+        assert r.points == 0 and '`import onnx` is not available while grading' in r.error and 'NumPy and Numba' in r.error
+
+
+PACKAGE_FOLDERS = r'''
+import json as _json, os as _os
+def _ls(d):
+    try: return sorted(_os.listdir(d))
+    except OSError: return []
+_seen = {'onnx': any('onnx' in _ls(d) for d in OWN), 'numpy': all('numpy' in _ls(d) for d in OWN),
+         'extra': sorted({e for d in OWN for e in _ls(d)} - set(ALLOWED))[:3],
+         'others': [d for d in OTHERS if _ls(d)][:2]}
+raise RuntimeError('FOLDERS' + _json.dumps(_seen))
+'''
+
+
+def test_the_sandbox_shows_only_the_allowed_packages(sandbox, tmp_path):
+    "The environment's package folder shows only the allow-list; every other package folder (the base interpreter's) is empty."
+    from tinycomp.course.sandbox import _site_dirs, allowed_packages
+    own, others = _site_dirs()
+    allowed = sorted({e for entries in allowed_packages().values() for e in entries or ()})
+    src = PACKAGE_FOLDERS.replace('OWN', repr(own)).replace('OTHERS', repr(others)).replace('ALLOWED', repr(allowed))
+    def seen(use):
+        r = grade_notebook(SPEC, student_with(tmp_path / str(use), src), prepared=prepared(), sandbox=use)
+        return json.loads(r.error[r.error.index('FOLDERS') + 7:].split('}')[0] + '}')
+    inside = seen(True)
+    assert inside == {'onnx': False, 'numpy': True, 'extra': [], 'others': []}, inside
+    outside = seen(False)
+    assert outside['onnx'] and outside['extra'], outside                  # the control: they are installed
+
+
+def test_the_grading_key_is_hidden_even_inside_a_visible_folder(sandbox, tmp_path):
+    from tinycomp.course.sandbox import sandbox_args, sandbox_env
+    from tinycomp.course.spec import package_dir
+    shared = tmp_path / 'shared'; shared.mkdir()
+    key = shared / 'grading.key'; key.write_text('ab' * 32)
+    work = tmp_path / 'w'; work.mkdir()
+    code = [sys.executable, '-c', f"print(open({str(key)!r}).read())"]
+    run = lambda hidden: subprocess.run(sandbox_args(work, package_dir(), hidden_files=hidden, read_only=[shared]) + code,
+                                        env=sandbox_env(work), capture_output=True, text=True, timeout=60)
+    hidden = run([key])
+    assert 'ab' * 32 not in hidden.stdout and ('Permission denied' in hidden.stderr or hidden.stdout.strip() == '')
+    assert run([]).stdout.strip() == 'ab' * 32                            # the control: the folder is visible

@@ -1,0 +1,195 @@
+"""A gradebook an instructor can trust: each learner's fresh inputs come from a secret nobody else can know, a
+submission is the learner's own regular files, one row per learner, and a row the machine was too busy to finish is
+graded again. Each attack has a control that shows it works where the defence is off."""
+import csv, hashlib, json, os, resource, subprocess, sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinycomp.cli import main
+from tinycomp.course.gradebook import grade, grading_key, key_id, learner_seed, learners
+from tinycomp.course.grading import grade_notebook
+from tinycomp.course.notebooks import read_notebook
+from tinycomp.course.progress import load_progress
+from tinycomp.course.refs import prepare_checks
+from tinycomp.course.spec import get_spec
+from tinycomp.errors import GradingError
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = get_spec('01')
+KEY = bytes(range(32))
+SOLUTIONS = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
+
+
+def copy_solutions(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in SOLUTIONS: (folder / p.name).write_text(p.read_text())
+    return folder
+
+
+def rows_of(out): return {r['learner']: r for r in csv.DictReader(open(out))}
+
+
+# ---------------------------------------------------------------- seeds nobody can know in advance
+
+def _fingerprint(inputs):
+    return hashlib.sha256(b''.join(k.encode() + np.ascontiguousarray(v).tobytes() for k, v in sorted(inputs.items()))).hexdigest()
+
+ANSWER_TABLE = r'''
+import hashlib as _h, json as _json, numpy as _np
+import tinycomp.checks.tensor as _checks
+_TABLE = _json.loads(@@TABLE@@)
+def _fp(inputs):
+    return _h.sha256(b''.join(k.encode() + _np.ascontiguousarray(v).tobytes() for k, v in sorted(inputs.items()))).hexdigest()
+def _answer(cid):
+    def run(ns, inputs, *oracle):
+        out = _TABLE[cid].get(_fp(inputs))
+        if out is None: raise KeyError('these inputs are not in my table')
+        return {k: _np.array(v, dtype=d).reshape(s) for k, (d, s, v) in out.items()}
+    return run
+for _c in _checks.MODULE.checks: _c.run = _answer(_c.id)
+'''
+
+
+def answer_table_notebooks(folder, seed):
+    "Module 01's student notebooks plus a cell answering every check from a table made for `seed` with the reference."
+    table = {}
+    for j in prepare_checks(SPEC, seed)[1]:
+        table.setdefault(j.check.id, {})[_fingerprint(j.check.visible(j.inputs))] = \
+            {k: (str(v.dtype), list(v.shape), v.ravel().tolist()) for k, v in j.expected.items()}
+    parts = sorted((ROOT / 'modules' / SPEC.folder).glob('*.ipynb'))
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in parts:
+        nb = read_notebook(p)
+        if p == parts[-1]:
+            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
+                                'source': '#| export\n' + ANSWER_TABLE.replace('@@TABLE@@', repr(json.dumps(table)))})
+        (folder / p.name).write_text(json.dumps(nb))
+    return folder
+
+
+def test_an_answer_table_for_a_known_seed_gains_nothing_in_the_gradebook(sandbox, tmp_path):
+    known = 4242
+    d = tmp_path / 'class'
+    cheat = answer_table_notebooks(d / 'mallory', known)
+    control = grade_notebook(SPEC, cheat, prepared=prepare_checks(SPEC, known), sandbox=True)
+    assert control.points == SPEC.possible, "the table answers everything for the seed it was made for"
+    copy_solutions(d / 'alice')
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, progress=False) == 0
+    rows = rows_of(out)
+    assert float(rows['mallory']['total']) == 0 and 'fresh' in rows['mallory']['errors']
+    assert float(rows['alice']['total']) == SPEC.possible
+
+
+def test_the_gradebook_shows_no_seed_and_a_late_learner_gets_a_seed_of_their_own(tmp_path, capsys):
+    d = tmp_path / 'class'
+    for who in ('alice', 'bob'): copy_solutions(d / who)
+    (d / 'bob' / SOLUTIONS[0].name).write_text(SOLUTIONS[0].read_text() + ' ')     # another version of a notebook
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    text = out.read_text()
+    rows = rows_of(out)
+    assert 'seed' not in next(csv.reader(open(out))) and {r['key_id'] for r in rows.values()} == {key_id(KEY)}
+    seeds = {who: learner_seed(KEY, '01', who, sorted((d / who).glob('*.ipynb'))) for who in ('alice', 'bob')}
+    assert len(set(seeds.values())) == 2 and not any(str(s) in text for s in seeds.values())
+    assert not any(str(s) in capsys.readouterr().out for s in seeds.values())
+    copy_solutions(d / 'carol')                                                    # hands in late
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    assert 'resuming' in capsys.readouterr().out and rows_of(out)['alice'] == rows['alice']
+    late = learner_seed(KEY, '01', 'carol', sorted((d / 'carol').glob('*.ipynb')))
+    assert late not in seeds.values() and str(late) not in out.read_text()
+    assert float(rows_of(out)['carol']['total']) == SPEC.possible
+    with pytest.raises(GradingError, match='another grading key'): grade(d, '01', out, key=bytes(32), sandbox=False, progress=False)
+
+
+def test_the_seed_depends_on_the_key_the_learner_and_the_notebook(tmp_path):
+    nb = copy_solutions(tmp_path / 'a') / SOLUTIONS[0].name
+    s = learner_seed(KEY, '01', 'ada', [nb])
+    assert s == learner_seed(KEY, '01', 'ada', [nb]) and 0 <= s < 2**62
+    assert len({s, learner_seed(bytes(32), '01', 'ada', [nb]), learner_seed(KEY, '01', 'bea', [nb]),
+                learner_seed(KEY, '02', 'ada', [nb])}) == 4
+    nb.write_text(nb.read_text() + '\n')
+    assert learner_seed(KEY, '01', 'ada', [nb]) != s
+
+
+def test_the_grading_key_is_made_private_once_and_checked(tmp_path, capsys):
+    path = tmp_path / 'keys' / 'course.key'
+    key = grading_key(path)
+    assert len(key) == 32 and oct(path.stat().st_mode & 0o777) == '0o600' and 'created the grading key' in capsys.readouterr().err
+    assert grading_key(path) == key and capsys.readouterr().err == ''               # read, not made again
+    os.chmod(path, 0o644)
+    with pytest.raises(GradingError, match='can be read by other users: make it private'): grading_key(path)
+    os.chmod(path, 0o600); path.write_text('not a key')
+    with pytest.raises(GradingError, match='is not a grading key'): grading_key(path)
+
+
+def test_a_seed_of_your_own_is_practice_and_not_recorded(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
+    assert main(['test', '01', '--notebook', *map(str, SOLUTIONS), '--seed', '7', '--no-sandbox']) == 0
+    assert 'practice run with the seed you chose, 7: not recorded' in capsys.readouterr().out
+    assert load_progress() == {'modules': {}}
+    assert main(['test', '01', '--notebook', *map(str, SOLUTIONS), '--no-sandbox']) == 0       # without: recorded
+    assert load_progress()['modules']['01']
+
+
+# ---------------------------------------------------------------- submissions are the learner's own regular files
+
+def test_links_devices_and_oversized_files_are_refused_with_the_reason(tmp_path):
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    copy_solutions(d / 'zed')                                           # the control: the same files, really handed in
+    (d / 'bob').symlink_to(d / 'alice', target_is_directory=True)      # a classmate's folder
+    (d / 'carol').mkdir()
+    for p in SOLUTIONS: (d / 'carol' / p.name).symlink_to(p)           # the instructor's solutions
+    (d / 'dave.ipynb').symlink_to('/dev/zero')                          # a device: reading it never ends
+    os.mkfifo(d / 'erin.ipynb')                                         # a pipe: opening it would block
+    with open(d / 'frank.ipynb', 'wb') as f: f.truncate(40 << 20)       # 40 MiB
+    (d / 'gina').mkdir(); os.mkfifo(d / 'gina' / '01a_tensor.ipynb')
+    out = tmp_path / 'gradebook.csv'
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10       # KiB: nothing big was read
+    rows = rows_of(out)
+    assert float(rows['alice']['total']) == float(rows['zed']['total']) == SPEC.possible
+    for who, why in (('bob', 'bob is a symbolic link'), ('carol', 'are links or not regular files'),
+                     ('dave', 'dave.ipynb is a symbolic link'), ('erin', 'erin.ipynb is not a regular file'),
+                     ('frank', 'larger than 32 MiB'), ('gina', 'is a link or not a regular file')):
+        assert float(rows[who]['total']) == 0 and why in rows[who]['errors'], (who, rows[who]['errors'])
+
+
+def test_a_notebook_that_is_not_a_regular_file_is_refused_by_test_too(tmp_path, capsys):
+    os.mkfifo(tmp_path / '01a_tensor.ipynb')
+    assert main(['test', '01', '--notebook', str(tmp_path / '01a_tensor.ipynb'), '--no-record', '--no-sandbox']) == 2
+    assert 'is not a regular file' in capsys.readouterr().err
+
+
+def test_a_learner_named_twice_is_an_error_naming_both(tmp_path, capsys):
+    d = tmp_path / 'class'
+    copy_solutions(d / 'bob')
+    (d / 'bob.ipynb').write_text(SOLUTIONS[0].read_text())
+    with pytest.raises(GradingError) as e: learners(d, SPEC)
+    assert str(d / 'bob') in str(e.value) and str(d / 'bob.ipynb') in str(e.value)
+    env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'k.key')}
+    r = subprocess.run([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out',
+                        str(tmp_path / 'g.csv'), '--no-sandbox'], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "two submissions for learner 'bob'" in r.stderr and not (tmp_path / 'g.csv').exists()
+
+
+# ---------------------------------------------------------------- the machine's failures are not the learner's
+
+def test_a_row_the_machine_was_too_busy_for_is_marked_and_graded_again(tmp_path, monkeypatch, capsys):
+    from tinycomp.course import runner
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    out = tmp_path / 'gradebook.csv'
+    monkeypatch.setattr(runner.Budget, 'spent', lambda self: 'starved')        # every step: the machine gave no CPU
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    row = rows_of(out)['alice']
+    assert row['complete'] == 'no' and 'machine was too busy' in row['errors'] and 'not complete' in capsys.readouterr().out
+    monkeypatch.undo()
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    assert '0 learner(s) already graded, 1 to go' in capsys.readouterr().out
+    row = rows_of(out)['alice']
+    assert row['complete'] == 'yes' and float(row['total']) == SPEC.possible
