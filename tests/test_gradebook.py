@@ -193,3 +193,11 @@ def test_a_row_the_machine_was_too_busy_for_is_marked_and_graded_again(tmp_path,
     assert '0 learner(s) already graded, 1 to go' in capsys.readouterr().out
     row = rows_of(out)['alice']
     assert row['complete'] == 'yes' and float(row['total']) == SPEC.possible
+
+
+def test_an_answer_table_gains_nothing_under_tinycomp_test_either(tmp_path, monkeypatch, capsys):
+    "`tinycomp test` draws its fresh inputs at random: a table made for any one seed misses them."
+    monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
+    cheat = answer_table_notebooks(tmp_path / 'mallory', 4242)
+    assert main(['test', '01', '--notebook', str(cheat), '--json', str(tmp_path / 'r.json')]) == 1
+    assert json.loads((tmp_path / 'r.json').read_text())['points'] == 0
