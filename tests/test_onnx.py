@@ -22,7 +22,7 @@ import onnx                   # noqa: E402  never skipped: onnx and onnxruntime 
 import onnxruntime            # noqa: E402,F401
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from tinycomp.onnx import (QUANTIZED_FORMS, check_onnx, export_onnx, import_onnx, lsb_diff, ort_agreement,  # noqa: E402
+from tinycomp.onnx import (QUANTIZED_FORMS, export_onnx, import_onnx, lsb_diff, ort_agreement,  # noqa: E402
                            run_onnx, run_onnx_emulated, to_onnx)
 
 DATA = Path(__file__).parent / 'data'
@@ -139,7 +139,7 @@ def test_export_at_other_opsets(models, tmp_path):
 
 def test_masked_sparse_and_half_layers_export_dense_with_a_note(models, tmp_path):
     from tinycomp.pruning.masks import prune
-    from tinycomp.pruning.recipes import to_sparse
+    from tinycomp.pruning.schedules import to_sparse
     from tinycomp.quantization.models import HalfConv2d, HalfLinear
     masked = prune(models['cnn'], 0.7)
     sparse = to_sparse(masked, max_density=0.5)
