@@ -81,7 +81,7 @@ def test_mcnemar_is_symmetric_and_rejects_bad_input():
     with pytest.raises(TinycompError, match='boolean arrays'): mcnemar(a, c[:3])
 
 
-def test_ratio_ci_matches_a_transcription_of_the_recipe():
+def test_ratio_ci_matches_a_transcription_of_the_procedure():
     rng = np.random.default_rng(3)
     base, cand = rng.lognormal(0, 0.2, 31), rng.lognormal(-0.7, 0.2, 17)
     r = ratio_ci(base, cand, np.random.default_rng(5), n_boot=400)

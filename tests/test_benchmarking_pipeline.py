@@ -1,4 +1,5 @@
-"Tests for tinycomp.benchmarking.pipeline: stages, recipes, stage_table, compress and its report, the CLI, sweeps and recommend."
+"""Tests for the compression pipeline of module 07: tinycomp.benchmarking.stages (stages, recipes), .compression
+(stage_table, compress and its report, the CLI) and .sweep (sweeps and recommend)."""
 import copy
 import json
 import math
@@ -7,8 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from tinycomp.benchmarking import pipeline as P
+from tinycomp.benchmarking.compression import compress, compress_command, stage_table
 from tinycomp.benchmarking.harness import file_size, parameter_counts
+from tinycomp.benchmarking.stages import (DEFAULT_RECIPE, STAGES, Stage, check_data, load_recipe, make_context, model_kind,
+                                          resolve_model, run_stage, stages_help)
+from tinycomp.benchmarking.sweep import default_configurations, example_budgets, recommend, strategy_sweep
 from tinycomp.cli import build_parser, command_modules, main
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.distillation import tiny_cnn
@@ -43,15 +47,15 @@ def model(data):
 
 
 @pytest.fixture(scope='module')
-def ctx(model, data): return P.make_context(model, data)
+def ctx(model, data): return make_context(model, data)
 
 
 @pytest.fixture(scope='module')
-def quantized(model, ctx): return P.run_stage('quantize_static', model, {'calibration_size': 32}, ctx)
+def quantized(model, ctx): return run_stage('quantize_static', model, {'calibration_size': 32}, ctx)
 
 
 @pytest.fixture(scope='module')
-def sparse(model, ctx): return P.run_stage('prune', model, {'epochs': 0, 'amount': 0.8}, ctx)
+def sparse(model, ctx): return run_stage('prune', model, {'epochs': 0, 'amount': 0.8}, ctx)
 
 
 def listing(tmp_path): return sorted(p.name for p in tmp_path.iterdir())
@@ -59,43 +63,43 @@ def listing(tmp_path): return sorted(p.name for p in tmp_path.iterdir())
 
 # --- recipes ------------------------------------------------------------------------------------------------------
 def test_default_recipe_filled_in():
-    r = P.load_recipe('default')
+    r = load_recipe('default')
     assert [next(iter(i)) for i in r] == ['prune_channels', 'distill', 'quantize_static']
     assert r[0]['prune_channels'] == {'ratio': 0.5, 'importance': 'l1'}
     assert r[1]['distill'] == {'teacher': 'original', 'epochs': 8, 'T': 4.0, 'alpha': 0.5, 'lr': 1e-3}
     assert r[2]['quantize_static'] == {'per_channel': True, 'observer': 'minmax', 'weight_bits': 8, 'calibration_size': 256}
-    assert P.load_recipe(P.DEFAULT_RECIPE) == r
-    assert P.DEFAULT_RECIPE[0] == {"prune_channels": {"ratio": 0.5}}          # the constant is not filled in place
+    assert load_recipe(DEFAULT_RECIPE) == r
+    assert DEFAULT_RECIPE[0] == {"prune_channels": {"ratio": 0.5}}          # the constant is not filled in place
 
 
 def test_recipe_input_not_modified():
     src = [{'fine_tune': {'epochs': 3}}, {'quantize_dynamic': None}]
     before = copy.deepcopy(src)
-    r = P.load_recipe(src)
+    r = load_recipe(src)
     assert src == before
     assert r == [{'fine_tune': {'epochs': 3, 'lr': 1e-3}}, {'quantize_dynamic': {}}]
 
 
 def test_empty_recipe():
     with pytest.raises(TinycompError, match='the recipe is empty.*valid stages: prune_channels, prune, fine_tune, distill'):
-        P.load_recipe([])
+        load_recipe([])
 
 
 def test_unknown_stage_lists_valid_ones():
-    with pytest.raises(TinycompError) as e: P.load_recipe([{'quantise_static': {}}])
+    with pytest.raises(TinycompError) as e: load_recipe([{'quantise_static': {}}])
     msg = str(e.value)
     assert "recipe item 1: unknown stage 'quantise_static'" in msg and "did you mean 'quantize_static'" in msg
-    for name in P.STAGES: assert name in msg
+    for name in STAGES: assert name in msg
 
 
 def test_unknown_option_lists_accepted_ones():
-    with pytest.raises(TinycompError) as e: P.load_recipe([{'fine_tune': {}}, {'distill': {'temperature': 3}}])
+    with pytest.raises(TinycompError) as e: load_recipe([{'fine_tune': {}}, {'distill': {'temperature': 3}}])
     msg = str(e.value)
     assert "recipe item 2: stage 'distill' has no option 'temperature'" in msg
     for opt in ("teacher (default 'original'", 'epochs (default 8', 'T (default 4.0', 'alpha (default 0.5', 'lr (default 0.001'):
         assert opt in msg
     with pytest.raises(TinycompError, match="stage 'quantize_dynamic' has no option 'bits'; it accepts: no options"):
-        P.load_recipe([{'quantize_dynamic': {'bits': 8}}])
+        load_recipe([{'quantize_dynamic': {'bits': 8}}])
 
 
 @pytest.mark.parametrize('item, words', [
@@ -120,7 +124,7 @@ def test_unknown_option_lists_accepted_ones():
     ({'fine_tune': [1]}, "options must be a dict"),
 ])
 def test_bad_options(item, words):
-    with pytest.raises(TinycompError) as e: P.load_recipe([item])
+    with pytest.raises(TinycompError) as e: load_recipe([item])
     assert words in str(e.value)
     assert f"stage {next(iter(item))!r}" in str(e.value)
 
@@ -132,28 +136,28 @@ def test_bad_options(item, words):
     (42, 'a recipe is a list'),
 ])
 def test_malformed_recipes(source, words):
-    with pytest.raises(TinycompError, match=words): P.load_recipe(source)
+    with pytest.raises(TinycompError, match=words): load_recipe(source)
 
 
 def test_recipe_order_checked_before_running():
-    with pytest.raises(TinycompError) as e: P.load_recipe([{'quantize_static': {}}, {'prune': {'sparse': False}}])
+    with pytest.raises(TinycompError) as e: load_recipe([{'quantize_static': {}}, {'prune': {'sparse': False}}])
     msg = str(e.value)
     assert "recipe stage 2: stage 'prune' cannot run on a quantized model" in msg
     assert 'made by stage 1, quantize_static' in msg and 'put quantization last' in msg
     with pytest.raises(TinycompError, match="stage 'distill' cannot run on a sparse model.*sparse=false"):
-        P.load_recipe([{'prune': {}}, {'distill': {}}])
+        load_recipe([{'prune': {}}, {'distill': {}}])
     with pytest.raises(TinycompError, match="stage 'quantize_static' cannot run on a quantized model"):
-        P.load_recipe([{'quantize_dynamic': {}}, {'quantize_static': {}}])
+        load_recipe([{'quantize_dynamic': {}}, {'quantize_static': {}}])
     # what the advice says works
-    P.load_recipe([{'prune': {'sparse': False}}, {'distill': {}}, {'to_sparse': {}}])
-    P.load_recipe([{'prune': {'sparse': False}}, {'quantize_static': {}}])
-    P.load_recipe([{'prune': {}}, {'quantize_dynamic': {}}])
+    load_recipe([{'prune': {'sparse': False}}, {'distill': {}}, {'to_sparse': {}}])
+    load_recipe([{'prune': {'sparse': False}}, {'quantize_static': {}}])
+    load_recipe([{'prune': {}}, {'quantize_dynamic': {}}])
 
 
 def test_json_and_toml_recipes(tmp_path):
     (tmp_path / 'r.json').write_text(json.dumps([{'prune_channels': {'ratio': 0.25}}, {'fine_tune': {'epochs': 1}}]))
     (tmp_path / 'r.toml').write_text('[[stage]]\nname = "prune_channels"\nratio = 0.25\n\n[[stage]]\nname = "fine_tune"\nepochs = 1\n')
-    a, b = P.load_recipe(tmp_path / 'r.json'), P.load_recipe(str(tmp_path / 'r.toml'))
+    a, b = load_recipe(tmp_path / 'r.json'), load_recipe(str(tmp_path / 'r.toml'))
     assert a == b == [{'prune_channels': {'ratio': 0.25, 'importance': 'l1'}}, {'fine_tune': {'epochs': 1, 'lr': 1e-3}}]
 
 
@@ -168,12 +172,12 @@ def test_json_and_toml_recipes(tmp_path):
 ])
 def test_bad_recipe_files(tmp_path, name, text, words):
     (tmp_path / name).write_text(text)
-    with pytest.raises(TinycompError) as e: P.load_recipe(tmp_path / name)
+    with pytest.raises(TinycompError) as e: load_recipe(tmp_path / name)
     assert words in str(e.value)
 
 
 def test_missing_recipe_file(tmp_path):
-    with pytest.raises(TinycompError, match='does not exist'): P.load_recipe(tmp_path / 'nope.json')
+    with pytest.raises(TinycompError, match='does not exist'): load_recipe(tmp_path / 'nope.json')
 
 
 def test_toml_without_tomllib(tmp_path, monkeypatch):
@@ -181,19 +185,19 @@ def test_toml_without_tomllib(tmp_path, monkeypatch):
     (tmp_path / 'r.toml').write_text('[[stage]]\nname = "fine_tune"\n')
     monkeypatch.setitem(sys.modules, 'tomllib', None)
     with pytest.raises(TinycompError, match=r'Python 3\.11 or later \(tomllib\); write the recipe as JSON'):
-        P.load_recipe(tmp_path / 'r.toml')
+        load_recipe(tmp_path / 'r.toml')
 
 
 # --- stages -------------------------------------------------------------------------------------------------------
 def test_registry_shape():
-    assert {'prune_channels', 'prune', 'fine_tune', 'distill', 'quantize_static', 'quantize_dynamic'} <= set(P.STAGES)
-    for name, s in P.STAGES.items():
+    assert {'prune_channels', 'prune', 'fine_tune', 'distill', 'quantize_static', 'quantize_dynamic'} <= set(STAGES)
+    for name, s in STAGES.items():
         assert s.name == name and callable(s.fn) and s.doc and '\n' not in s.doc
         for o in s.options.values(): assert o.check(name, 'x', o.default) == o.default
-    assert P.STAGES['prune_channels'].options['ratio'].default == 0.5
-    assert P.STAGES['prune'].options['sparse'].default is True
-    help_text = P.stages_help()
-    assert all(name in help_text for name in P.STAGES)
+    assert STAGES['prune_channels'].options['ratio'].default == 0.5
+    assert STAGES['prune'].options['sparse'].default is True
+    help_text = stages_help()
+    assert all(name in help_text for name in STAGES)
 
 
 @pytest.mark.parametrize('name, opts, kind', [
@@ -208,38 +212,38 @@ def test_registry_shape():
 ])
 def test_stage_returns_new_model_input_untouched(model, ctx, name, opts, kind):
     before, training = snapshot(model), model.training
-    new = P.run_stage(name, model, opts, ctx)
+    new = run_stage(name, model, opts, ctx)
     assert new is not model and same_state(before, snapshot(model)) and model.training == training
-    assert P.model_kind(new)[0] == kind
+    assert model_kind(new)[0] == kind
     assert not new.training
     acc = evaluate(new, ctx['data']['test']).accuracy
     assert 0 <= acc <= 1
 
 
 def test_stage_results(model, ctx, quantized, sparse):
-    small = P.run_stage('prune_channels', model, {'ratio': 0.75}, ctx)
+    small = run_stage('prune_channels', model, {'ratio': 0.75}, ctx)
     assert small[0].out_channels == 2 and small[-1].in_features == 2 * 16          # physically smaller
-    masked = P.run_stage('prune', model, {'epochs': 0, 'amount': 0.8, 'sparse': False}, ctx)
+    masked = run_stage('prune', model, {'epochs': 0, 'amount': 0.8, 'sparse': False}, ctx)
     w = np.concatenate([m.weight.data.ravel() * m.weight_mask.ravel() for m in masked.modules() if hasattr(m, 'weight_mask')])
     assert abs((w == 0).mean() - 0.8) < 0.01
     assert file_size(sparse) < file_size(model)                                   # stored sparse: the file shrinks
     # masked layers fold into int8 zeros; the masks survive fine-tuning
-    tuned = P.run_stage('fine_tune', masked, {'epochs': 1}, ctx)
+    tuned = run_stage('fine_tune', masked, {'epochs': 1}, ctx)
     assert parameter_counts(tuned)[1] == parameter_counts(masked)[1]
-    assert P.model_kind(P.run_stage('quantize_static', tuned, {'calibration_size': 16}, ctx))[0] == 'quantized'
-    assert P.model_kind(P.run_stage('to_sparse', tuned, {}, ctx))[0] == 'sparse'
+    assert model_kind(run_stage('quantize_static', tuned, {'calibration_size': 16}, ctx))[0] == 'quantized'
+    assert model_kind(run_stage('to_sparse', tuned, {}, ctx))[0] == 'sparse'
 
 
 def test_training_stages_are_deterministic(model, ctx):
-    a = P.run_stage('fine_tune', model, {'epochs': 1}, ctx)
-    b = P.run_stage('fine_tune', model, {'epochs': 1}, ctx)
+    a = run_stage('fine_tune', model, {'epochs': 1}, ctx)
+    b = run_stage('fine_tune', model, {'epochs': 1}, ctx)
     assert same_state(snapshot(a), snapshot(b))
     assert not same_state(snapshot(a), snapshot(model))
 
 
 @pytest.mark.parametrize('name', ['prune_channels', 'prune', 'fine_tune', 'distill', 'quantize_static', 'quantize_dynamic', 'to_sparse'])
 def test_stage_after_quantization_names_the_layer(quantized, ctx, name):
-    with pytest.raises(TinycompError) as e: P.run_stage(name, quantized, {}, ctx)
+    with pytest.raises(TinycompError) as e: run_stage(name, quantized, {}, ctx)
     msg = str(e.value)
     assert f"stage {name!r} cannot run on a quantized model: layer '0' is a QuantStub" in msg
     assert 'put quantization last' in msg
@@ -247,9 +251,9 @@ def test_stage_after_quantization_names_the_layer(quantized, ctx, name):
 
 @pytest.mark.parametrize('name', ['prune_channels', 'prune', 'fine_tune', 'distill', 'quantize_static', 'to_sparse'])
 def test_stage_after_sparse_names_the_layer(sparse, ctx, name):
-    layer = P.model_kind(sparse)[1]
+    layer = model_kind(sparse)[1]
     with pytest.raises(TinycompError, match=f"cannot run on a sparse model: layer '{layer}' is a Sparse.*sparse=false"):
-        P.run_stage(name, sparse, {}, ctx)
+        run_stage(name, sparse, {}, ctx)
 
 
 def test_quantize_dynamic_without_linear(ctx):
@@ -257,40 +261,40 @@ def test_quantize_dynamic_without_linear(ctx):
     from tinycomp.nn import Sequential
     conv_only = Sequential(Conv2d(1, 10, 8))
     with pytest.raises(TinycompError, match='no float Linear layer'):
-        P.run_stage('quantize_dynamic', conv_only, {}, ctx)
+        run_stage('quantize_dynamic', conv_only, {}, ctx)
 
 
 def test_run_stage_errors(model, ctx):
-    with pytest.raises(TinycompError, match='unknown stage .*valid stages: prune_channels'): P.run_stage('shrink', model, {}, ctx)
-    with pytest.raises(TinycompError, match="has no option 'ratios'"): P.run_stage('prune_channels', model, {'ratios': 0.5}, ctx)
-    with pytest.raises(TinycompError, match='expected a tinycomp Module'): P.run_stage('fine_tune', 'model', {}, ctx)
+    with pytest.raises(TinycompError, match='unknown stage .*valid stages: prune_channels'): run_stage('shrink', model, {}, ctx)
+    with pytest.raises(TinycompError, match="has no option 'ratios'"): run_stage('prune_channels', model, {'ratios': 0.5}, ctx)
+    with pytest.raises(TinycompError, match='expected a tinycomp Module'): run_stage('fine_tune', 'model', {}, ctx)
 
 
 def test_teachers(model, ctx, tmp_path):
     save(model, tmp_path / 't.npz')
-    a = P.run_stage('distill', model, {'epochs': 1, 'teacher': str(tmp_path / 't.npz')}, ctx)
-    b = P.run_stage('distill', model, {'epochs': 1, 'teacher': 'original'}, ctx)
+    a = run_stage('distill', model, {'epochs': 1, 'teacher': str(tmp_path / 't.npz')}, ctx)
+    b = run_stage('distill', model, {'epochs': 1, 'teacher': 'original'}, ctx)
     assert same_state(snapshot(a), snapshot(b))                # the same teacher, from a file or from the context
     with pytest.raises(TinycompError, match="no model '.*missing.npz': give a pretrained name"):
-        P.run_stage('distill', model, {'epochs': 1, 'teacher': str(tmp_path / 'missing.npz')}, ctx)
+        run_stage('distill', model, {'epochs': 1, 'teacher': str(tmp_path / 'missing.npz')}, ctx)
 
 
 def test_resolve_model(model, tmp_path):
-    assert P.resolve_model(model) is model
-    assert P.resolve_model('digits_cnn')[0].out_channels == 16
+    assert resolve_model(model) is model
+    assert resolve_model('digits_cnn')[0].out_channels == 16
     save(model, tmp_path / 'm.npz')
-    assert same_state(snapshot(P.resolve_model(tmp_path / 'm.npz')), snapshot(model))
-    with pytest.raises(TinycompError, match='digits_cnn, digits_cnn_wide'): P.resolve_model('resnet50')
-    with pytest.raises(TinycompError): P.resolve_model(3)
+    assert same_state(snapshot(resolve_model(tmp_path / 'm.npz')), snapshot(model))
+    with pytest.raises(TinycompError, match='digits_cnn, digits_cnn_wide'): resolve_model('resnet50')
+    with pytest.raises(TinycompError): resolve_model(3)
 
 
 # --- data -------------------------------------------------------------------------------------------------------
 def test_check_data(model, data):
-    d = P.check_data(model, data)
+    d = check_data(model, data)
     assert set(d) == {'train', 'val', 'test'} and d['train'][0].dtype == np.float32 and d['train'][1].dtype == np.int64
-    no_val = P.check_data(model, {'train': data['train'], 'test': data['test']})
+    no_val = check_data(model, {'train': data['train'], 'test': data['test']})
     assert set(no_val) == {'train', 'test'}
-    assert P.check_data(model)['test'][0].shape == load_digits('test')[0].shape
+    assert check_data(model)['test'][0].shape == load_digits('test')[0].shape
 
 
 @pytest.mark.parametrize('make, words', [
@@ -305,23 +309,23 @@ def test_check_data(model, data):
     (lambda d: dict(d, test=(d['test'][0], d['test'][1] + 10)), 'the labels go up to 19'),
 ])
 def test_bad_data(model, data, make, words):
-    with pytest.raises(TinycompError) as e: P.check_data(model, make(data))
+    with pytest.raises(TinycompError) as e: check_data(model, make(data))
     assert words in str(e.value)
 
 
 def test_data_shape_mismatch_fails_before_training(model, monkeypatch):
     big = {s: (np.zeros((8, 1, 28, 28), np.float32), np.arange(8) % 10) for s in ('train', 'test')}
-    monkeypatch.setattr(P, 'run_stage', lambda *a, **k: pytest.fail('a stage ran before the data was checked'))
+    monkeypatch.setattr('tinycomp.benchmarking.compression.run_stage', lambda *a, **k: pytest.fail('a stage ran before the data was checked'))
     with pytest.raises(ShapeError, match=r'the model cannot take the data: its samples have shape \(1, 28, 28\)'):
-        P.compress(model, [{'fine_tune': {'epochs': 1}}], big, progress=False)
+        compress(model, [{'fine_tune': {'epochs': 1}}], big, progress=False)
 
 
 def test_missing_teacher_fails_before_training(model, quantized, data, tmp_path, monkeypatch):
-    monkeypatch.setattr(P, 'run_stage', lambda *a, **k: pytest.fail('a stage ran before the teacher was checked'))
+    monkeypatch.setattr('tinycomp.benchmarking.compression.run_stage', lambda *a, **k: pytest.fail('a stage ran before the teacher was checked'))
     with pytest.raises(TinycompError, match='no model'):
-        P.compress(model, [{'fine_tune': {}}, {'distill': {'teacher': str(tmp_path / 'x.npz')}}], data, progress=False)
+        compress(model, [{'fine_tune': {}}, {'distill': {'teacher': str(tmp_path / 'x.npz')}}], data, progress=False)
     with pytest.raises(TinycompError, match='layer .0. is a QuantStub'):      # the real model's kind is checked too
-        P.compress(quantized, [{'fine_tune': {}}], data, progress=False)
+        compress(quantized, [{'fine_tune': {}}], data, progress=False)
 
 
 # --- stage_table --------------------------------------------------------------------------------------------------
@@ -334,7 +338,7 @@ def rows3():
 def test_stage_table_values():
     m = rows3()
     before = copy.deepcopy(m)
-    t = P.stage_table(m)
+    t = stage_table(m)
     assert m == before
     assert [r['stage'] for r in t] == ['original', 'a', 'b']
     assert [r['compression'] for r in t] == [1.0, 4.0, 2.0]
@@ -362,14 +366,14 @@ def test_stage_table_values():
     (lambda m: [m[0], dict(m[1], accuracy=1.5)], 'accuracy must be a fraction'),
 ])
 def test_stage_table_errors(make, words):
-    with pytest.raises(TinycompError, match=words.replace('[', r'\[').replace(']', r'\]')): P.stage_table(make(rows3()))
+    with pytest.raises(TinycompError, match=words.replace('[', r'\[').replace(']', r'\]')): stage_table(make(rows3()))
 
 
 # --- compress -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope='module')
 def compressed(model, data):
     before = snapshot(model)
-    final, rep = P.compress(model, [{'prune_channels': {'ratio': 0.5}}, {'fine_tune': {'epochs': 1}},
+    final, rep = compress(model, [{'prune_channels': {'ratio': 0.5}}, {'fine_tune': {'epochs': 1}},
                                     {'fine_tune': {'epochs': 1}}, {'quantize_static': {'calibration_size': 64}}],
                             data, progress=False, **FAST)
     assert same_state(before, snapshot(model))
@@ -380,7 +384,7 @@ def test_report_rows(compressed, data):
     final, rep = compressed
     assert [r['stage'] for r in rep.rows] == ['original', 'prune_channels', 'fine_tune', 'fine_tune#2', 'quantize_static']
     assert rep.measured and rep.batch_sizes == (1, 64)
-    assert P.model_kind(final)[0] == 'quantized'
+    assert model_kind(final)[0] == 'quantized'
     assert math.isclose(rep.rows[-1]['accuracy'], evaluate(final, data['test']).accuracy)
     assert rep.rows[0]['options'] is None and rep.rows[1]['options'] == {'ratio': 0.5, 'importance': 'l1'}
     assert rep.rows[0]['seconds'] == 0.0 and all(r['seconds'] >= 0 for r in rep.rows)
@@ -426,7 +430,7 @@ def test_report_outputs(compressed, tmp_path):
 
 
 def test_compress_without_measuring(model, data):
-    final, rep = P.compress(model, [{'prune_channels': {'ratio': 0.25}}, {'quantize_dynamic': {}}], data,
+    final, rep = compress(model, [{'prune_channels': {'ratio': 0.25}}, {'quantize_dynamic': {}}], data,
                             measure=False, progress=False)
     assert not rep.measured and rep.comparison is None
     assert rep.rows[2]['latency_ms'] is None and rep.rows[2]['speedup'] is None
@@ -441,8 +445,8 @@ def test_compress_without_measuring(model, data):
 
 def test_compress_is_deterministic(model, data):
     r = [{'prune_channels': {'ratio': 0.5}}, {'distill': {'epochs': 1}}]
-    a, _ = P.compress(model, r, data, measure=False, progress=False, seed=3)
-    b, _ = P.compress(model, r, data, measure=False, progress=False, seed=3)
+    a, _ = compress(model, r, data, measure=False, progress=False, seed=3)
+    b, _ = compress(model, r, data, measure=False, progress=False, seed=3)
     assert same_state(snapshot(a), snapshot(b))
 
 
@@ -455,7 +459,7 @@ def model_file(model, tmp_path):
 
 def test_cli_registered():
     mods = [m.__name__ for m in command_modules()]
-    assert 'tinycomp.benchmarking.pipeline' in mods
+    assert 'tinycomp.benchmarking.compression' in mods and 'tinycomp.benchmarking.sweep' in mods
     parser = build_parser()
     args = parser.parse_args(['compress', 'default', '--model', 'digits_cnn', '--out', 'x.npz', '--threads', '1'])
     assert (args.recipe, args.model, args.out, args.threads, args.seed, args.no_progress) == ('default', 'digits_cnn', 'x.npz', 1, 0, False)
@@ -472,7 +476,7 @@ def test_cli_compress_writes_three_files(model_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert 'quantize_static' in out and 'speedup = baseline latency / candidate latency' in out
     m = load(tmp_path / 'small.npz')
-    assert P.model_kind(m)[0] == 'quantized'
+    assert model_kind(m)[0] == 'quantized'
     rep = json.loads((tmp_path / 'small.json').read_text())
     assert [r['stage'] for r in rep['rows']] == ['original', 'fine_tune', 'quantize_static']
     assert rep['rows'][-1]['file_bytes'] == (tmp_path / 'small.npz').stat().st_size
@@ -481,7 +485,7 @@ def test_cli_compress_writes_three_files(model_file, tmp_path, capsys):
 
 def test_cli_report_prefix(model_file, tmp_path):
     (tmp_path / 'rep').mkdir()
-    r = P.compress_command([{'quantize_dynamic': {}}], model_file, tmp_path / 'q.npz', report=tmp_path / 'rep' / 'run1',
+    r = compress_command([{'quantize_dynamic': {}}], model_file, tmp_path / 'q.npz', report=tmp_path / 'rep' / 'run1',
                            progress=False, **FAST)
     assert listing(tmp_path / 'rep') == ['run1.json', 'run1.png'] and (tmp_path / 'q.npz').exists()
     assert r['out'] == str(tmp_path / 'q.npz')
@@ -513,7 +517,7 @@ def test_cli_bad_paths(model_file, tmp_path, capsys):
 
 def test_cli_error_while_writing_leaves_nothing(model_file, tmp_path, monkeypatch, capsys):
     def broken(fig, path): raise TinycompError('disk full')
-    monkeypatch.setattr(P, '_save_figure', broken)                   # the PNG is written after the model's temp file
+    monkeypatch.setattr('tinycomp.benchmarking.compression._save_figure', broken)                   # the PNG is written after the model's temp file
     (tmp_path / 'r.json').write_text('[{"quantize_dynamic": {}}]')
     code = main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz'), '--no-progress'])
     assert code == 2 and 'disk full' in capsys.readouterr().err
@@ -522,7 +526,7 @@ def test_cli_error_while_writing_leaves_nothing(model_file, tmp_path, monkeypatc
 
 def test_cli_error_in_a_stage_leaves_nothing(model_file, tmp_path, monkeypatch, capsys):
     def boom(model, o, ctx): raise TinycompError('training diverged')
-    monkeypatch.setitem(P.STAGES, 'fine_tune', P.Stage('fine_tune', boom, P.STAGES['fine_tune'].options, 'boom'))
+    monkeypatch.setitem(STAGES, 'fine_tune', Stage('fine_tune', boom, STAGES['fine_tune'].options, 'boom'))
     (tmp_path / 'r.json').write_text('[{"fine_tune": {}}]')
     assert main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz'), '--no-progress']) == 2
     assert 'training diverged' in capsys.readouterr().err
@@ -535,7 +539,7 @@ def sweep(model, data):
     configs = {'int8': [{'quantize_static': {'calibration_size': 64}}],
                'half': [{'prune_channels': {'ratio': 0.5}}, {'fine_tune': {'epochs': 1}}],
                'half int8': [{'prune_channels': {'ratio': 0.5}}, {'distill': {'epochs': 1}}, {'quantize_static': {}}]}
-    return P.strategy_sweep(model, data, configs, progress=False, **FAST)
+    return strategy_sweep(model, data, configs, progress=False, **FAST)
 
 
 def test_sweep_rows_and_front(sweep):
@@ -566,18 +570,18 @@ def test_sweep_plot(sweep, tmp_path):
 
 
 def test_sweep_bad_configurations(model, data):
-    with pytest.raises(TinycompError, match="configuration 'x': the recipe is empty"): P.strategy_sweep(model, data, {'x': []})
+    with pytest.raises(TinycompError, match="configuration 'x': the recipe is empty"): strategy_sweep(model, data, {'x': []})
     with pytest.raises(TinycompError, match="configuration 'bad': recipe stage 2"):
-        P.strategy_sweep(model, data, {'bad': [{'quantize_static': {}}, {'fine_tune': {}}]})
-    with pytest.raises(TinycompError, match='non-empty dict'): P.strategy_sweep(model, data, {})
-    with pytest.raises(TinycompError, match="'original' is the name"): P.strategy_sweep(model, data, {'original': [{'fine_tune': {}}]})
+        strategy_sweep(model, data, {'bad': [{'quantize_static': {}}, {'fine_tune': {}}]})
+    with pytest.raises(TinycompError, match='non-empty dict'): strategy_sweep(model, data, {})
+    with pytest.raises(TinycompError, match="'original' is the name"): strategy_sweep(model, data, {'original': [{'fine_tune': {}}]})
 
 
 def test_default_configurations():
-    c = P.default_configurations(epochs=3)
+    c = default_configurations(epochs=3)
     assert len(c) >= 8 and 'int8' in c
     assert c['channels 50% + distill + int8'][0] == {'prune_channels': {'ratio': 0.5}}
-    for name, recipe in c.items(): P.load_recipe(recipe)
+    for name, recipe in c.items(): load_recipe(recipe)
     ratios = {i['prune_channels']['ratio'] for r in c.values() for i in r if 'prune_channels' in i}
     assert ratios == {0.25, 0.5, 0.75}
 
@@ -585,16 +589,16 @@ def test_default_configurations():
 def test_recommend_on_sweep(sweep):
     o = sweep.row('original')
     limit = sorted(r['file_bytes'] for r in sweep.rows)[1]             # the two smallest fit
-    rec = P.recommend(sweep, max_bytes=limit)
+    rec = recommend(sweep, max_bytes=limit)
     feasible = [r for r in sweep.rows if r['file_bytes'] <= limit]
     assert len(feasible) == 2 and set(rec['feasible']) == {r['name'] for r in feasible}
     best = max(feasible, key=lambda r: (r['accuracy'], -r['file_bytes'], -r['latency_ms'][1]))
     assert rec['choice'] == best['name'] and 'original' in rec['rejected']
     assert f"{o['file_bytes']:,} bytes is" in rec['rejected']['original'][0]
-    rec64 = P.recommend(sweep, max_latency_ms=1e9, batch_size=64)
+    rec64 = recommend(sweep, max_latency_ms=1e9, batch_size=64)
     assert rec64['batch_size'] == 64 and 'at batch 64' in rec64['explanation']
-    with pytest.raises(TinycompError, match='not 8'): P.recommend(sweep, batch_size=8)
-    with pytest.raises(TinycompError, match='no configuration meets'): P.recommend(sweep, max_bytes=10)
+    with pytest.raises(TinycompError, match='not 8'): recommend(sweep, batch_size=8)
+    with pytest.raises(TinycompError, match='no configuration meets'): recommend(sweep, max_bytes=10)
 
 
 ROWS = [dict(name='original', accuracy=0.99, latency_ms=2.0, file_bytes=400_000),
@@ -605,24 +609,24 @@ ROWS = [dict(name='original', accuracy=0.99, latency_ms=2.0, file_bytes=400_000)
 
 
 def test_recommend_ties_and_explanation():
-    r = P.recommend(ROWS, max_bytes=150_000, min_accuracy=0.95)
+    r = recommend(ROWS, max_bytes=150_000, min_accuracy=0.95)
     assert r['choice'] == 'b'                                   # a, b, c equally accurate: smaller file, then faster
     assert r['feasible'] == ['b', 'a', 'c']
     assert "'a' is as accurate and as large, but slower (1.000 ms)" in r['explanation']
     assert r['rejected'] == {'original': ['file 400,000 bytes is 250,000 over the 150,000-byte limit'],
                              'd': ['accuracy 90.00% is 5.00 points under 95.00%']}
     assert r['constraints'] == dict(max_latency_ms=None, max_bytes=150_000.0, min_accuracy=0.95)
-    r = P.recommend(ROWS, max_latency_ms=0.6)
+    r = recommend(ROWS, max_latency_ms=0.6)
     assert r['choice'] == 'c' and "next: 'd', 8.00 points lower" in r['explanation']
     assert 'latency 2.000 ms is 1.400 ms over the 0.600 ms limit' in r['rejected']['original'][0]
-    assert P.recommend(ROWS, max_latency_ms=0.3)['explanation'].split('\n')[0].endswith('it is the only configuration that does.')
-    assert P.recommend(ROWS)['choice'] == 'original'
+    assert recommend(ROWS, max_latency_ms=0.3)['explanation'].split('\n')[0].endswith('it is the only configuration that does.')
+    assert recommend(ROWS)['choice'] == 'original'
     rows_dict = [dict(r, latency_ms={1: r['latency_ms'], 64: 10 * r['latency_ms']}) for r in ROWS]
-    assert P.recommend(rows_dict, max_latency_ms=5, batch_size=64)['choice'] == 'c'
+    assert recommend(rows_dict, max_latency_ms=5, batch_size=64)['choice'] == 'c'
 
 
 def test_recommend_impossible_names_closest():
-    with pytest.raises(TinycompError) as e: P.recommend(ROWS, max_latency_ms=0.1, min_accuracy=0.985)
+    with pytest.raises(TinycompError) as e: recommend(ROWS, max_latency_ms=0.1, min_accuracy=0.985)
     msg = str(e.value)
     assert 'no configuration meets latency at batch 1 <= 0.100 ms, accuracy >= 98.50%' in msg
     assert "the closest is 'd': latency 0.200 ms is 0.100 ms over the 0.100 ms limit; accuracy 90.00% is 8.50 points under" in msg
@@ -641,17 +645,17 @@ def test_recommend_impossible_names_closest():
     (dict(max_bytes='1MB'), 'finite number'),
 ])
 def test_recommend_bad_constraints(kw, words):
-    with pytest.raises(TinycompError) as e: P.recommend(ROWS, **kw)
+    with pytest.raises(TinycompError) as e: recommend(ROWS, **kw)
     assert words in str(e.value)
 
 
 def test_recommend_bad_results():
-    with pytest.raises(TinycompError, match='SweepResult or a non-empty list'): P.recommend([])
-    with pytest.raises(TinycompError, match='SweepResult or a non-empty list'): P.recommend('rows')
+    with pytest.raises(TinycompError, match='SweepResult or a non-empty list'): recommend([])
+    with pytest.raises(TinycompError, match='SweepResult or a non-empty list'): recommend('rows')
 
 
 def test_example_budgets():
-    b = P.example_budgets(dict(accuracy=0.99, latency_ms={1: 2.0, 64: 20.0}, file_bytes=400_000))
+    b = example_budgets(dict(accuracy=0.99, latency_ms={1: 2.0, 64: 20.0}, file_bytes=400_000))
     kws = list(b.values())
     assert kws[0] == dict(max_bytes=100_000.0, min_accuracy=pytest.approx(0.98))
     assert kws[1] == dict(max_latency_ms=1.0, min_accuracy=pytest.approx(0.985))
@@ -660,7 +664,7 @@ def test_example_budgets():
 def test_bench_strategies(model_file, tmp_path, monkeypatch, capsys):
     "The command on a tiny model with two configurations (the default sweep is what `tinycomp bench strategies` runs)."
     small = {'int8': [{'quantize_static': {}}], 'half': [{'prune_channels': {'ratio': 0.5}}, {'fine_tune': {'epochs': 1}}]}
-    monkeypatch.setattr(P, 'default_configurations', lambda epochs: small)
+    monkeypatch.setattr('tinycomp.benchmarking.sweep.default_configurations', lambda epochs: small)
     code = main(['bench', 'strategies', '--model', str(model_file), '--epochs', '1', '--json', str(tmp_path / 's.json'),
                  '--out', str(tmp_path / 's.png'), '--no-progress'])
     assert code == 0

@@ -1,7 +1,6 @@
 """tinycomp.leaderboard.core: scoring, ranking, the store, acceptance and limits, the worker, the page, the CLI."""
 import json
 import math
-import os
 import sqlite3
 import subprocess
 import sys
@@ -147,7 +146,7 @@ def files(tmp_path_factory):
     X, y = load_digits('test')
     np.savez(d / 'task.npz', X=X[:64], y=y[:64])
     base = load_pretrained('digits_cnn')
-    from tinycomp.benchmarking.pipeline import make_context, run_stage
+    from tinycomp.benchmarking.stages import make_context, run_stage
     ctx = make_context(base)
     int8 = run_stage('quantize_static', base, {}, ctx)
     out = dict(dir=d, task=d / 'task.npz', baseline=pretrained_path('digits_cnn'))

@@ -1,13 +1,15 @@
 "Reference models, training loop, the shipped pretrained weights, the training curve and `tinycomp train`."
 
+import json
+
 import numpy as np
 import pytest
 
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.errors import TinycompError
-from tinycomp.models import (MODELS, RECIPES, add_cli, count_parameters, digits_cnn, digits_cnn_wide, digits_split_sizes,
-                             evaluate, fit, load_pretrained, plot_history, pretrained_info, pretrained_path,
-                             train_command, train_reference)
+from tinycomp.models import (MODELS, TRAINING_CONFIGS, add_cli, count_parameters, digits_cnn, digits_cnn_wide,
+                             digits_split_sizes, evaluate, fit, load_pretrained, plot_history, pretrained_info,
+                             pretrained_path, train_command, train_reference)
 from tinycomp.optim import Adam
 from tinycomp.tensor import manual_seed
 
@@ -25,7 +27,8 @@ def test_pretrained_models_reach_their_targets(name, target):
     assert result.accuracy >= target
     info = pretrained_info(name)
     assert info['test_accuracy'] == pytest.approx(result.accuracy)
-    assert len(info['history']['epoch']) == info['recipe']['epochs']
+    assert len(info['history']['epoch']) == info['training_config']['epochs']
+    assert 'recipe' not in info           # records written before the key was renamed are read under the new name
 
 
 def test_short_training_run_learns():
@@ -107,7 +110,7 @@ def test_train_command_choices_come_from_the_registry():
     add_cli(parser.add_subparsers(dest='command'))
     args = parser.parse_args(['train', 'digits_cnn_wide', '--epochs', '2', '--seed', '3', '--out', 'x', '--no-progress'])
     assert (args.name, args.epochs, args.seed, args.out, args.no_progress) == ('digits_cnn_wide', 2, 3, 'x', True)
-    assert set(MODELS) == set(RECIPES)
+    assert set(MODELS) == set(TRAINING_CONFIGS)
     with pytest.raises(SystemExit):
         parser.parse_args(['train', 'resnet50'])
 
@@ -115,6 +118,7 @@ def test_train_command_choices_come_from_the_registry():
 def test_train_command_saves_and_refuses_a_file_as_out(tmp_path, capsys):
     path = train_command('digits_cnn', tmp_path, epochs=1, progress=False)
     assert path == tmp_path / 'digits_cnn.npz' and path.with_suffix('.json').exists()
+    assert json.loads(path.with_suffix('.json').read_text())['training_config'] == TRAINING_CONFIGS['digits_cnn']
     assert 'test accuracy' in capsys.readouterr().out
     with pytest.raises(TinycompError, match='not a directory'):
         train_command('digits_cnn', path, epochs=1, progress=False)

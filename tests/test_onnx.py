@@ -142,7 +142,7 @@ def test_export_at_other_opsets(models, tmp_path):
 
 def test_masked_sparse_and_half_layers_export_dense_with_a_note(models, tmp_path):
     from tinycomp.pruning.masks import prune
-    from tinycomp.pruning.recipes import to_sparse
+    from tinycomp.pruning.schedules import to_sparse
     from tinycomp.quantization.models import HalfConv2d, HalfLinear
     masked = prune(models['cnn'], 0.7)
     sparse = to_sparse(masked, max_density=0.5)

@@ -31,7 +31,7 @@ def test_latency_stats_unsorted_input_same_percentiles():
 
 
 @pytest.mark.parametrize('n, n_boot', [(5, 1000), (37, 200), (200, 50)])
-def test_bootstrap_follows_the_recipe_exactly(n, n_boot):
+def test_bootstrap_follows_the_procedure_exactly(n, n_boot):
     t = np.random.default_rng(n).lognormal(-8, 0.4, n)
     s = latency_stats(t, np.random.default_rng(7), n_boot=n_boot)
     g = np.random.default_rng(7)

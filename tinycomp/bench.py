@@ -6,7 +6,6 @@
 __all__ = ['CLI_ORDER', 'conv_benchmark', 'train_benchmark', 'add_cli']
 
 # %% ../nbs/97_bench.ipynb #14f9ae44
-import argparse
 import platform
 import time
 
@@ -128,15 +127,15 @@ def _train_torch(torch, batches, epochs, lr, test):
 def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=None, verbose=True):
     "Train digits_cnn `epochs` epochs with tinycomp and (if installed) PyTorch on identical batches; print times and the ratio."
     from tinycomp.data import DataLoader, load_digits
-    from tinycomp.models import RECIPES
-    recipe = RECIPES['digits_cnn']
+    from tinycomp.models import TRAINING_CONFIGS
+    config = TRAINING_CONFIGS['digits_cnn']
     info = set_threads(threads) if threads is not None else thread_info()
     torch = optional_torch() if use_torch else None
-    batches = list(DataLoader(*load_digits('train'), batch_size=recipe['batch_size'], shuffle=True, seed=recipe['seed']))
+    batches = list(DataLoader(*load_digits('train'), batch_size=config['batch_size'], shuffle=True, seed=config['seed']))
     test = load_digits('test')
     result = dict(benchmark=f'train digits_cnn {epochs} epochs', epochs=epochs, runs=runs, threads=info)
-    trainers = {'tinycomp': lambda e: _train_tinycomp(batches, e, recipe['lr'], test)}
-    if torch is not None: trainers['torch'] = lambda e: _train_torch(torch, batches, e, recipe['lr'], test)
+    trainers = {'tinycomp': lambda e: _train_tinycomp(batches, e, config['lr'], test)}
+    if torch is not None: trainers['torch'] = lambda e: _train_torch(torch, batches, e, config['lr'], test)
     for name, train in trainers.items():
         train(1)  # warm-up: compilation, allocator, caches
         time.sleep(0.2)
@@ -146,7 +145,7 @@ def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=N
                             test_accuracy=runs_[-1][1])
     if torch is not None: result['ratio_tinycomp_over_torch'] = result['tinycomp']['median_s'] / result['torch']['median_s']
     if verbose:
-        print(f"training digits_cnn, {epochs} epochs x {len(batches)} batches of {recipe['batch_size']}, median of {runs} runs; "
+        print(f"training digits_cnn, {epochs} epochs x {len(batches)} batches of {config['batch_size']}, median of {runs} runs; "
               f"threads: numba {info['numba']}, blas {info['blas']}, torch {info['torch']}")
         for name in trainers:
             r = result[name]
@@ -186,7 +185,7 @@ def add_cli(subparsers):
     conv.set_defaults(func=_run_conv)
     train = sub.add_parser(
         'train', help='train digits_cnn with tinycomp and PyTorch (if installed) on identical batches',
-        description="Train digits_cnn with its recipe (Adam, cosine schedule, batch 64) on the same batches in the "
+        description="Train digits_cnn with its training config (Adam, cosine schedule, batch 64) on the same batches in the "
                     "same order, with tinycomp and, when it is installed, with the same architecture in PyTorch; "
                     "prints the median time of a few runs after a warm-up run, and the ratio.")
     train.add_argument('--epochs', type=positive_int, default=15, metavar='E', help='epochs per run (default %(default)s)')

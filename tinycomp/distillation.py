@@ -299,7 +299,7 @@ def distill(teacher, student, train_loader, val_loader=None, epochs=10, T=4.0, a
 # %% ../nbs/06_distillation.ipynb #f6012993
 def train_student(make_student, seed, teacher=None, T=4.0, alpha=0.5, epochs=15, lr=1e-2, batch_size=64,
                   teacher_logits=None, data=None):
-    "Train `make_student()` with a fixed recipe and `seed`: with `distill` if `teacher` is given, else with `fit`."
+    "Train `make_student()` with a fixed training config and `seed`: with `distill` if `teacher` is given, else with `fit`."
     X, y = data if data is not None else load_digits('train')
     manual_seed(seed)
     student = make_student()

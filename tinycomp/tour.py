@@ -12,7 +12,8 @@ from pathlib import Path
 import tinycomp
 from .benchmarking.evaluation import evaluation_report, format_evaluation, plot_critical_failures
 from .benchmarking.harness import predict
-from .benchmarking.pipeline import DEFAULT_RECIPE, compress, load_recipe
+from .benchmarking.compression import compress
+from .benchmarking.stages import DEFAULT_RECIPE, load_recipe
 from .data import load_digits
 from .errors import TinycompError
 from .files import write_json
@@ -37,7 +38,7 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
     say(f"tinycomp {tinycomp.__version__} tour: {model} on the digits data, latency measured on "
         + (f"{threads} thread{'s' * (threads != 1)}" if threads else "the current thread settings"), '')
     if retrain:
-        say(f"1. training {model} from scratch (its fixed recipe) ...")
+        say(f"1. training {model} from scratch (its fixed training config) ...")
         reference, history = train_reference(model, progress=progress)
     else:
         say(f"1. {model}, shipped weights (--retrain trains it again)")
@@ -69,7 +70,7 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
                    agreement=ev['agreement'], critical_failures=ev['critical_failures'],
                    stages=[r['stage'] for r in report.rows], files=[str(p) for p in (model_path, report_json, stages_png,
                                                                                       failures_png, curve)])
-    say('', f"4. what the whole recipe bought on this machine, in this run:",
+    say('', "4. what the whole recipe bought on this machine, in this run:",
         f"   file       {first['file_bytes']:,} -> {last['file_bytes']:,} bytes: {last['compression']:.1f}x smaller",
         *[f"   batch {b:<4d} {first['latency_ms'][b]:.3f} -> {last['latency_ms'][b]:.3f} ms: {last['speedup'][b]:.2f}x faster "
           f"(95% CI {last['speedup_ci'][b][0]:.2f} to {last['speedup_ci'][b][1]:.2f})" for b in (1, 64)],
@@ -95,7 +96,7 @@ def add_cli(subparsers):
                     'original and every stage in one interleaved run: accuracy (McNemar against the original), '
                     'parameters, file bytes, latency at batch 1 and 64. Then agreement, calibration and the critical '
                     'failures. Writes the compressed model, the report and the plots to --out.')
-    p.add_argument('--retrain', action='store_true', help='train the model from scratch with its fixed recipe instead of loading the shipped weights')
+    p.add_argument('--retrain', action='store_true', help='train the model from scratch with its fixed training config instead of loading the shipped weights')
     p.add_argument('--out', default='tinycomp_tour', metavar='DIR', help='directory for the model file, report and plots (default: %(default)s)')
     add_measure_options(p, repeats=None, json=False, threads=1)
     p.add_argument('--model', default='digits_cnn_wide', choices=sorted(MODELS), help='the reference model (default: %(default)s)')

@@ -16,9 +16,10 @@ _PARTS = {
                    'confusion_matrix', 'expected_calibration_error', 'calibration_bins', 'plot_reliability',
                    'plot_confusion', 'plot_critical_failures', 'pareto_front', 'pareto_mask', 'knee_point', 'pareto_rows',
                    'knee_row', 'plot_pareto', 'evaluation_report', 'format_evaluation', 'evaluate_against'),
-    'pipeline': ('STAGES', 'DEFAULT_RECIPE', 'model_kind', 'run_stage', 'check_data', 'resolve_model', 'stages_help',
-                 'check_order', 'load_recipe', 'stage_table', 'CompressionReport', 'compress', 'compress_command',
-                 'default_configurations', 'SweepResult', 'strategy_sweep', 'recommend', 'strategies_benchmark')}
+    'stages': ('STAGES', 'DEFAULT_RECIPE', 'model_kind', 'run_stage', 'check_data', 'resolve_model', 'stages_help',
+               'check_order', 'load_recipe'),
+    'compression': ('stage_table', 'CompressionReport', 'compress', 'compress_command'),
+    'sweep': ('default_configurations', 'SweepResult', 'strategy_sweep', 'recommend', 'strategies_benchmark')}
 __getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.benchmarking.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.benchmarking.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())

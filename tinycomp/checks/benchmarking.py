@@ -10,7 +10,7 @@ import copy
 
 import numpy as np
 
-from ..course.spec import Check, ModuleSpec, arr, f32
+from ..course.spec import Check, ModuleSpec, arr
 
 # %% ../../nbs/checks/07_benchmarking.ipynb #5e97f9cc
 def _wilson_inputs(kind):
@@ -207,7 +207,8 @@ _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 _FLOAT = dict(rtol=1e-9, atol=1e-12)
 
 MODULE = ModuleSpec('07', 'benchmarking', reference=(
-    'tinycomp.benchmarking.harness', 'tinycomp.benchmarking.evaluation', 'tinycomp.benchmarking.pipeline'), checks=[
+    'tinycomp.benchmarking.harness', 'tinycomp.benchmarking.evaluation', 'tinycomp.benchmarking.stages',
+    'tinycomp.benchmarking.compression', 'tinycomp.benchmarking.sweep'), checks=[
     Check('wilson_interval', 'edges', 1, _wilson_inputs('edges'), _run_wilson, **_FLOAT),
     Check('wilson_interval', 'interior', 1, _wilson_inputs('interior'), _run_wilson, **_FLOAT),
     Check('mcnemar', 'exact', 2, _mcnemar_inputs('exact'), _run_mcnemar, **_FLOAT),

@@ -136,7 +136,7 @@ def _run_movement(ns, i):
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
 MODULE = ModuleSpec('05', 'pruning', reference=(
-    'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.recipes'), checks=[
+    'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.schedules'), checks=[
     Check('l1_unstructured', 'fraction_ties', 2, _l1_inputs('fraction'), _run_l1, **_EXACT),
     Check('l1_unstructured', 'count', 1, _l1_inputs('count'), _run_l1, **_EXACT),
     Check('global_unstructured', 'three_layers', 2, _global_inputs, _run_global, **_EXACT),

@@ -19,7 +19,7 @@ from ..models import pretrained_path
 from ..profiling.counting import profile_model
 from ..benchmarking.harness import compare, mcnemar, parameter_counts, wilson_interval
 from ..benchmarking.evaluation import pareto_mask
-from ..benchmarking.pipeline import model_kind
+from ..benchmarking.stages import model_kind
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION', 'SCORE_DECIMALS', 'SCORE_FORMULA',

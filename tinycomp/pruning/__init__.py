@@ -16,8 +16,8 @@ _PARTS = {
                    'channel_plan', 'prune_channels'),
     'sparse': ('to_csr', 'csr_to_dense', 'check_csr', 'csr_matmul', 'csr_matmul_fast', 'SparseLinear', 'SparseConv2d',
                'sparse_conv2d'),
-    'recipes': ('agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune', 'sensitivity_scan',
-                'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'compress_to_size', 'prune_benchmark')}
+    'schedules': ('agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune', 'sensitivity_scan',
+                  'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'compress_to_size', 'prune_benchmark')}
 __getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.pruning.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.pruning.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
