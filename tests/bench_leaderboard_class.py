@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_leaderboard_server as T
-from tinycomp.leaderboard.core import open_store
+from tinycomp.leaderboard.store import open_store
 
 def rps(port, seconds=2.0, clients=4, path='/api/leaderboard'):
     counts, stop, bad = [0] * clients, threading.Event(), []

@@ -1,4 +1,5 @@
-"""tinycomp.leaderboard.core: scoring, ranking, the store, acceptance and limits, the worker, the page, the CLI."""
+"""tinycomp.leaderboard (scoring, validation, store, submissions, worker, page, cli): scoring, ranking, the store,
+acceptance and limits, the worker, the page, the CLI."""
 import json
 import math
 import sqlite3
@@ -15,8 +16,11 @@ from tinycomp import io as tio
 from tinycomp.cli import main
 from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
-from tinycomp.leaderboard import core as lb
-from tinycomp.leaderboard.core import SubmissionRejected, entry_metrics, rank_entries, synthetic_measurement
+import tinycomp.leaderboard as lb
+from tinycomp.leaderboard import cli as lb_cli, store as lb_store
+from tinycomp.leaderboard.scoring import entry_metrics, rank_entries, synthetic_measurement
+from tinycomp.leaderboard.submissions import DAY
+from tinycomp.leaderboard.validation import SubmissionRejected
 from tinycomp.models import load_pretrained, pretrained_path
 from tinycomp.nn.modules import Linear, Sequential, Flatten
 
@@ -176,7 +180,7 @@ def test_store_is_wal_versioned_and_migrates(tmp_path):
     assert int(s._meta('schema_version')) == lb.SCHEMA_VERSION == len(lb.MIGRATIONS)
     s.disconnect()
     c = sqlite3.connect(tmp_path / 'old.db', isolation_level=None)   # a store left at schema version 1
-    lb._migrate(c, 'old.db', upto=1)
+    lb_store._migrate(c, 'old.db', upto=1)
     assert not c.execute("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'").fetchall()
     c.close()
     s = lb.open_store(tmp_path / 'old.db')
@@ -212,7 +216,7 @@ def test_init_default_task_and_split(tmp_path):
     for c in range(10):                                    # stratified: about half of every class is private
         n = (y == c).sum()
         assert abs(int(t['private'][y == c].sum()) - n / 2) <= 1
-    assert np.array_equal(lb._private_mask(y), t['private'])        # fixed seed: the same split every time
+    assert np.array_equal(lb_store._private_mask(y), t['private'])        # fixed seed: the same split every time
     with pytest.raises(TinycompError, match='already has a task'):
         s.init()
 
@@ -338,11 +342,11 @@ def test_rate_limit_says_when_the_next_submission_is_allowed(tmp_path, files):
     with pytest.raises(SubmissionRejected) as e:
         s.accept(tok, files['int8_2'].read_bytes(), now=t0 + 7200)
     assert e.value.status == 429 and 'at most 2 submissions in 24 hours' in e.value.reason
-    assert lb._iso(t0 + lb.DAY) in e.value.reason and 'in 22 h 0 min' in e.value.reason and count(s) == 2
+    assert lb_store._iso(t0 + DAY) in e.value.reason and 'in 22 h 0 min' in e.value.reason and count(s) == 2
     other = s.issue_token('ben')                                          # per participant
     s.accept(other, files['int8_2'].read_bytes(), now=t0 + 7200)
     assert count(s) == 3
-    s.accept(tok, files['float'].read_bytes(), now=t0 + lb.DAY + 1)       # a day after the first: allowed again
+    s.accept(tok, files['float'].read_bytes(), now=t0 + DAY + 1)       # a day after the first: allowed again
     assert count(s) == 4
 
 
@@ -477,7 +481,7 @@ def test_killing_the_worker_mid_job_loses_nothing(tmp_path, files):
     s = make_store(tmp_path, files, rounds=400, calls=5)        # a long job, so the kill lands inside it
     tok = s.issue_token('ann')
     a = s.accept(tok, files['int8'].read_bytes())
-    code = ("import sys; from tinycomp.leaderboard.core import run_worker; "
+    code = ("import sys; from tinycomp.leaderboard.worker import run_worker; "
             "run_worker(sys.argv[1], once=True, isolate=False, log=None)")
     proc = subprocess.Popen([sys.executable, '-c', code, str(s.path)])
     try:
@@ -538,7 +542,7 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
 def test_cli_is_registered_in_order():
     from tinycomp.cli import build_parser, command_modules
     names = [m.__name__ for m in command_modules()]
-    assert 'tinycomp.leaderboard.core' in names and lb.CLI_ORDER == 40
+    assert 'tinycomp.leaderboard.cli' in names and lb_cli.CLI_ORDER == 40
     sub = next(a for a in build_parser()._actions if a.dest == 'command')
     assert {'leaderboard', 'submit'} <= set(sub.choices)
     lb_sub = next(a for a in sub.choices['leaderboard']._actions if a.dest == 'lb_command')
@@ -547,13 +551,12 @@ def test_cli_is_registered_in_order():
 
 def _die_silently(conn, payload):
     "A measurement child that dies before it reports (as a crashing model or a lost pipe would)."
-    import os
     os._exit(3)
 
 
 def test_a_child_that_dies_without_reporting_fails_fast():
     import time
-    from tinycomp.leaderboard.core import MeasurementFailed, _run_isolated
+    from tinycomp.leaderboard.worker import MeasurementFailed, _run_isolated
     t0 = time.monotonic()
     with pytest.raises(MeasurementFailed, match=r'died \(exit code 3\)'):
         _run_isolated({}, budget=120, target=_die_silently)

@@ -1,7 +1,7 @@
-"""Tests for tinycomp.leaderboard.server, all on loopback with real uvicorn servers: the HTTP API end to end, a class
-of 8 concurrent submitters, every abuse case of issue 16 item 8 (refused with its status, nothing written), the
-server answering while a measurement runs, SIGKILLs of the server and of the worker at random moments, and the page
-in headless Chromium (with a screenshot)."""
+"""Tests for the leaderboard's web server and client (tinycomp.leaderboard.app and .client), all on loopback with real
+uvicorn servers: the HTTP API end to end, a class of 8 concurrent submitters, every abuse case of issue 16 item 8
+(refused with its status, nothing written), the server answering while a measurement runs, SIGKILLs of the server
+and of the worker at random moments, and the page in headless Chromium (with a screenshot)."""
 import copy
 import hashlib
 import http.client
@@ -33,8 +33,10 @@ from tinycomp import io as tio
 from tinycomp.cli import main as cli_main
 from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
-from tinycomp.leaderboard.core import measure_next, open_store
-from tinycomp.leaderboard.server import LeaderboardServer, bearer_token, make_app, submit_remote
+from tinycomp.leaderboard.app import LeaderboardServer, bearer_token, make_app
+from tinycomp.leaderboard.client import submit_remote
+from tinycomp.leaderboard.store import open_store
+from tinycomp.leaderboard.worker import measure_next
 from tinycomp.models import load_pretrained
 from tinycomp.nn.modules import Flatten, Linear, Sequential
 
@@ -515,7 +517,7 @@ def test_killing_the_server_or_the_worker_loses_nothing(task, tmp_path):
     assert con.execute("SELECT count(*) FROM measurements").fetchone()[0] == len(blobs)
     for (raw,) in con.execute("SELECT raw FROM measurements"): assert json.loads(raw)['results']
     con.close()
-    from tinycomp.leaderboard.core import rescore
+    from tinycomp.leaderboard.submissions import rescore
     assert rescore(store) == []                                          # every stored score re-derives from its samples
     print(f"\nkills: {kills}; attempts per job: {[r['attempts'] for r in rows]}")
 
