@@ -10,19 +10,21 @@ import numpy as np
 import pytest
 
 import tinycomp
+from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.cli import build_parser, main
-from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from tinycomp.conv import Conv2d
 from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
 from tinycomp.models import evaluate, load_pretrained
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 
 import onnx                   # noqa: E402  never skipped: onnx and onnxruntime are in the dev extra, a missing one fails
 import onnxruntime            # noqa: E402,F401
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from tinycomp.onnx import (QUANTIZED_FORMS, check_onnx, export_onnx, import_onnx, lsb_diff, ort_agreement,  # noqa: E402
+from tinycomp.onnx import (QUANTIZED_FORMS, export_onnx, import_onnx, lsb_diff, ort_agreement,  # noqa: E402
                            run_onnx, run_onnx_emulated, to_onnx)
 
 DATA = Path(__file__).parent / 'data'
