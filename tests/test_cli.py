@@ -54,7 +54,7 @@ def test_console_script_is_installed():
 def test_every_add_cli_module_is_found_and_registered():
     found = command_modules()
     names = [m.__name__ for m in found]
-    assert {'tinycomp.tour', 'tinycomp.bench', 'tinycomp.models'} <= set(names)
+    assert {'tinycomp.tour', 'tinycomp.conv', 'tinycomp.models'} <= set(names)
     assert any(n == 'tinycomp.course' or n.startswith('tinycomp.course.') for n in names), names
     assert 'tinycomp.cli' not in names and not any(part.startswith('_') for n in names for part in n.split('.'))
     # reading the source first finds exactly what importing every module finds
@@ -78,8 +78,27 @@ def test_commands_live_where_they_belong():
     assert registered['tour'].get_default('func').__module__ == 'tinycomp.tour'
     assert registered['train'].get_default('func').__module__ == 'tinycomp.models'
     bench_sub = commands(registered['bench'])
-    assert {'conv', 'train'} <= set(bench_sub) and bench_sub['conv'].get_default('func').__module__ == 'tinycomp.bench'
+    assert {'conv', 'train'} <= set(bench_sub) and bench_sub['conv'].get_default('func').__module__ == 'tinycomp.conv'   # via add_bench_cli
+    assert bench_sub['train'].get_default('func').__module__ == 'tinycomp.models'                                    # via add_bench_cli
+    assert list(bench_sub)[:2] == ['conv', 'train']   # the modules' CLI_ORDER
     assert bench_sub['quant'].get_default('func').__module__ == 'tinycomp.quantization.models'   # via add_bench_cli
+
+
+def test_cli_registers_bench_conv_and_train():
+    parser = build_parser()
+    args = parser.parse_args(['bench', 'conv', '--threads', '1', '--json', 'out.json', '--repeats', '5', '--no-torch'])
+    assert (args.threads, args.json, args.repeats, args.no_torch) == (1, 'out.json', 5, True) and callable(args.func)
+    args = parser.parse_args(['bench', 'train', '--epochs', '2', '--runs', '1'])
+    assert (args.epochs, args.runs, args.threads) == (2, 1, None) and callable(args.func)
+
+
+@pytest.mark.parametrize('argv', [['bench', 'conv', '--repeats', '0'], ['bench', 'train', '--epochs', '0'],
+                                  ['bench', 'train', '--runs', '-1']])
+def test_counts_below_one_are_argparse_errors(argv, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2 and 'at least 1' in capsys.readouterr().err
 
 
 def _write(path, text):

@@ -1,5 +1,7 @@
-"Tests for tinycomp.conv: conv2d, pooling and BatchNorm against naive references, plus gradient checks."
+"""Tests for module 02 (tinycomp.conv, tinycomp.pooling, tinycomp.batchnorm): conv2d, pooling and BatchNorm against naive
+references, plus gradient checks, and the conv benchmark (`tinycomp bench conv`)."""
 
+import json
 import warnings
 
 import numba
@@ -7,13 +9,16 @@ import numpy as np
 import pytest
 from numba.core.errors import NumbaPerformanceWarning
 
+import tinycomp.batchnorm
 import tinycomp.conv
-from tinycomp.conv import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, adaptive_avg_pool2d,
-                           avg_pool2d, batch_norm, conv2d, conv2d_backward, conv2d_direct_kernel, conv2d_forward,
-                           conv2d_im2col, conv2d_naive, conv2d_weight_grad_kernel, conv_output_size, im2col,
-                           max_pool2d, max_pool2d_backward, njit)
+import tinycomp.pooling
+from tinycomp.batchnorm import BatchNorm2d, batch_norm
+from tinycomp.conv import (Conv2d, conv2d, conv2d_backward, conv2d_direct_kernel, conv2d_forward, conv2d_im2col,
+                           conv2d_naive, conv2d_weight_grad_kernel, conv_benchmark, conv_output_size, im2col, njit)
 from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.files import LAYERS
+from tinycomp.pooling import (AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, adaptive_avg_pool2d, avg_pool2d, max_pool2d,
+                              max_pool2d_backward)
 from tinycomp.tensor import Tensor, gradcheck
 
 
@@ -274,12 +279,19 @@ def test_small_cnn_learns():
 @pytest.mark.parametrize('code', [
     # conv first: tinycomp.conv imports tinycomp.nn.modules, which must not import tinycomp.conv back
     "import tinycomp.conv as conv, tinycomp.nn as nn, tinycomp.nn.functional as F\n"
-    "assert nn.Conv2d is conv.Conv2d and F.conv2d is conv.conv2d and F.batch_norm is conv.batch_norm",
+    "import tinycomp.batchnorm as batchnorm\n"
+    "assert nn.Conv2d is conv.Conv2d and F.conv2d is conv.conv2d and F.batch_norm is batchnorm.batch_norm",
+    # pooling or BatchNorm first: the same for the other two files of module 02
+    "import tinycomp.pooling as pooling, tinycomp.batchnorm as batchnorm, tinycomp.nn as nn, tinycomp.nn.functional as F\n"
+    "assert nn.MaxPool2d is pooling.MaxPool2d and F.avg_pool2d is pooling.avg_pool2d and nn.BatchNorm2d is batchnorm.BatchNorm2d",
     # the namespace first: the conv names are imported on first use
-    "import sys, tinycomp.nn as nn, tinycomp.nn.functional as F\nassert 'tinycomp.conv' not in sys.modules\n"
-    "Conv2d, conv2d = nn.Conv2d, F.conv2d\nimport tinycomp.conv as conv\n"
-    "assert Conv2d is conv.Conv2d and conv2d is conv.conv2d and nn.BatchNorm2d is conv.BatchNorm2d",
-], ids=['conv-first', 'nn-first'])
+    "import sys, tinycomp.nn as nn, tinycomp.nn.functional as F\n"
+    "assert not {'tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'} & set(sys.modules)\n"
+    "Conv2d, conv2d, MaxPool2d = nn.Conv2d, F.conv2d, nn.MaxPool2d\n"
+    "import tinycomp.conv as conv, tinycomp.pooling as pooling, tinycomp.batchnorm as batchnorm\n"
+    "assert Conv2d is conv.Conv2d and conv2d is conv.conv2d and MaxPool2d is pooling.MaxPool2d\n"
+    "assert nn.BatchNorm2d is batchnorm.BatchNorm2d",
+], ids=['conv-first', 'pooling-first', 'nn-first'])
 def test_nn_namespace_reaches_conv_in_both_import_orders(code):
     import subprocess, sys
     subprocess.run([sys.executable, '-c', code], check=True, timeout=300)
@@ -312,9 +324,11 @@ def test_max_pool_dilated_and_asymmetric(k, s, p, d):
 
 
 def test_layers_register_themselves_where_defined():
-    for name in ('Conv2d', 'MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d', 'BatchNorm2d'):
-        cls = getattr(tinycomp.conv, name)
-        assert LAYERS[name] is cls and cls.__module__ == 'tinycomp.conv'
+    for module, names in [(tinycomp.conv, ('Conv2d',)), (tinycomp.pooling, ('MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d')),
+                          (tinycomp.batchnorm, ('BatchNorm2d',))]:
+        for name in names:
+            cls = getattr(module, name)
+            assert LAYERS[name] is cls and cls.__module__ == module.__name__
 
 
 def _performance_warnings(fn, *args):
@@ -363,3 +377,21 @@ def test_njit_keeps_the_warning_and_parallelism_for_real_code():
     assert njit(lambda x: x + 1)(1) == 2 and njit(cache=False)(lambda x: 2 * x)(3) == 6
     for kernel in (conv2d_direct_kernel, conv2d_weight_grad_kernel):    # the reference kernels stay parallel
         assert kernel.targetoptions['parallel'] is True
+
+
+# --- `tinycomp bench conv` (the timer and thread counts: test_profiling_timing.py) ---------------------------------
+
+def test_conv_benchmark_small_shapes_and_json(tmp_path, capsys):
+    path = tmp_path / 'conv.json'
+    res = conv_benchmark(threads=1, json_path=str(path), repeats=2, shapes=[(2, 1, 5, 5, 4), (2, 4, 6, 6, 8)], use_torch=False)
+    out = capsys.readouterr().out
+    assert 'GFLOP/s' in out and '(2,1,5,5->4)' in out and '(2,4,6,6->8)' in out
+    saved = json.loads(path.read_text())
+    assert saved['meta']['threads']['numba'] == 1 and saved['meta']['repeats'] == 2
+    small, big = saved['rows']
+    assert set(small['timings']) == {'naive', 'numpy_im2col', 'tinycomp_fwd', 'tinycomp_bwd'}
+    assert 'naive' not in big['timings']
+    assert big['gflop'] == 2 * 2 * 8 * 36 * 4 * 9 / 1e9
+    assert all(v['gflops'] > 0 for v in big['timings'].values()) and res['rows'][1]['bwd_over_fwd'] > 0
+    assert 'NUMBA_NUM_THREADS' in saved['meta']['threads']
+    assert all(k in v for v in big['timings'].values() for k in ('median', 'p99', 'ci_low', 'ci_high', 'threads'))

@@ -10,8 +10,10 @@ import pytest
 
 from tinycomp import io as tio
 from tinycomp import tensor as T
-from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from tinycomp.batchnorm import BatchNorm2d
+from tinycomp.conv import Conv2d
 from tinycomp.errors import ModelFileError, TinycompError
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp import files as tfiles
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.tensor import no_grad
@@ -348,7 +350,21 @@ def test_version_1_files_still_load(tmp_path, good):
 
 def test_file_names_the_modules_of_its_layers(good):
     _, _, man, _ = good
-    assert man['version'] == 2 and man['modules'] == ['tinycomp.conv', 'tinycomp.nn.modules']
+    assert man['version'] == 2 and man['modules'] == ['tinycomp.batchnorm', 'tinycomp.conv', 'tinycomp.nn.modules', 'tinycomp.pooling']
+
+
+def test_files_from_before_module_02_was_split_still_load(tmp_path, good):
+    "A file naming only tinycomp.conv for its pooling and BatchNorm layers loads, also where nothing imported them yet."
+    from tinycomp.models import pretrained_path       # the shipped weights were written then
+    m, _, man, arrays = good
+    old = dict(man, modules=['tinycomp.conv', 'tinycomp.nn.modules'])
+    path = craft(tmp_path / 'old.npz', old, arrays)
+    assert_same_model(m, tio.load(path))
+    code = ("import sys, tinycomp.io as tio\n"
+            "assert not {'tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'} & set(sys.modules)\n"
+            f"for p in [{str(path)!r}, *({str(pretrained_path('digits_cnn'))!r}, {str(pretrained_path('digits_cnn_wide'))!r})]:\n"
+            "    tio.load(p)\n")
+    subprocess.run([sys.executable, '-c', code], check=True, timeout=300)
 
 
 def test_a_redefined_layer_class_is_named_in_the_error(tmp_path):

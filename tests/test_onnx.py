@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 import tinycomp
+from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.cli import build_parser, main
-from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from tinycomp.conv import Conv2d
 from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
 from tinycomp.models import evaluate, load_pretrained
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 
 import onnx                   # noqa: E402  never skipped: onnx and onnxruntime are in the dev extra, a missing one fails

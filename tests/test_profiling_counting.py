@@ -7,13 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, conv_output_size
+from tinycomp.batchnorm import BatchNorm2d
+from tinycomp.conv import Conv2d, conv_output_size
 from tinycomp.errors import TinycompError
 from tinycomp.models import digits_cnn, digits_cnn_wide
-from tinycomp.tensor import Tensor, as_tensor
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.profiling.counting import (PROFILE_COLUMNS, Profile, activation_bytes, conv2d_flops, layer_cost,
                                          output_shape, profile_model, trace_events)
+from tinycomp.tensor import Tensor, as_tensor
 from tinycomp.tensor import no_grad
 
 

@@ -7,14 +7,15 @@ import copy
 import numpy as np
 import pytest
 
-from tinycomp.conv import BatchNorm2d, Conv2d, MaxPool2d
+from tinycomp.conv import Conv2d
+from tinycomp.data import DataLoader
 from tinycomp.errors import ModelFileError, ShapeError, TinycompError
 from tinycomp.io import load, save
 from tinycomp.models import digits_cnn_wide, fit
-from tinycomp.data import DataLoader
 from tinycomp.nn.functional import cross_entropy
 from tinycomp.nn.modules import Flatten, Linear, ReLU, Sequential
 from tinycomp.optim import SGD, Adam
+from tinycomp.pooling import MaxPool2d
 from tinycomp.pruning.masks import (
     PRUNE_METHODS, MaskedConv2d, MaskedLinear, global_unstructured, l1_unstructured, ln_structured, make_permanent,
     nm_mask, prunable_layers, prune, random_unstructured, slice_norms, sparsity)

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 
 from tinycomp import io as tio
-from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
-from tinycomp.errors import ShapeError, TinycompError
+from tinycomp.batchnorm import BatchNorm2d
+from tinycomp.conv import Conv2d
+from tinycomp.errors import TinycompError
 from tinycomp.models import count_parameters, digits_cnn, load_pretrained
 from tinycomp.nn.modules import Dropout, Flatten, Linear, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.pruning import structured as S
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 

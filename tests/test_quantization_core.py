@@ -7,7 +7,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from tinycomp.conv import BatchNorm2d, Conv2d
+from tinycomp.batchnorm import BatchNorm2d
+from tinycomp.conv import Conv2d
 from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.quantization.core import (
     QUANT_DTYPES, KLObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver, Observer,

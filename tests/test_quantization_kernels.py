@@ -2,11 +2,12 @@
 import numpy as np
 import pytest
 
-from tinycomp.conv import adaptive_avg_pool2d, conv2d_forward, max_pool2d
+from tinycomp.conv import conv2d_forward
 from tinycomp.errors import ShapeError, TinycompError
-from tinycomp.quantization.core import multiply_by_quantized_multiplier, quantize_multiplier
+from tinycomp.pooling import adaptive_avg_pool2d, max_pool2d
 from tinycomp.profiling.timing import usable_cores
 from tinycomp.quantization import kernels as K
+from tinycomp.quantization.core import multiply_by_quantized_multiplier, quantize_multiplier
 from tinycomp.quantization.kernels import (MAX_REDUCTION, int8_matmul, quantized_adaptive_avg_pool2d, quantized_conv2d,
                                            quantized_conv2d_naive, quantized_linear, quantized_max_pool2d, requantize)
 

@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 
 from tinycomp import io as tio
-from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from tinycomp.batchnorm import BatchNorm2d
+from tinycomp.conv import Conv2d
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.errors import ModelFileError, TinycompError
 from tinycomp.models import evaluate, fit, load_pretrained
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.optim import Adam
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.quantization import models as Q
-from tinycomp.quantization.core import calculate_qparams, dequantize, pack_int4, unpack_int4
+from tinycomp.quantization.core import pack_int4, unpack_int4
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 
 

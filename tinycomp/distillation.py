@@ -9,13 +9,14 @@ __all__ = ['softmax_with_temperature', 'kd_loss', 'kd_loss_grad', 'hint_regresso
 # %% ../nbs/06_distillation.ipynb #25925a64
 import numpy as np
 
-from .conv import Conv2d, MaxPool2d
+from .conv import Conv2d
 from .data import DataLoader, load_digits
 from .errors import TinycompError
 from .models import fit, train_epochs
 from .nn.functional import _check_labels, cross_entropy, mse_loss
 from .nn.modules import Flatten, Linear, ReLU, Sequential
 from .optim import Adam, CosineAnnealingLR
+from .pooling import MaxPool2d
 from .tensor import Tensor, as_tensor, manual_seed, no_grad
 
 # %% ../nbs/06_distillation.ipynb #fc42e0bd

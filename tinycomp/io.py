@@ -24,6 +24,8 @@ __all__ = ['FORMAT_NAME', 'FORMAT_VERSION', 'MANIFEST_KEY', 'MAX_UNPACKED_BYTES'
 FORMAT_NAME, FORMAT_VERSION = 'tinycomp-model', 2
 MANIFEST_KEY = '__manifest__'
 _V1_MODULES = ['tinycomp.nn.modules', 'tinycomp.conv']    # what defined every layer type a version 1 file may hold
+# a module that files may name but whose layers now live in several files: module 02 before it was split into parts
+_SPLIT_MODULES = {'tinycomp.conv': ['tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm']}
 _MODULE_NAME = re.compile(r'tinycomp(\.[a-z_][a-z0-9_]*)+')
 
 def _layer_modules(tree) -> list:
@@ -105,13 +107,14 @@ def _import_layer_modules(path, names):
     "Import the tinycomp modules that define the file's layer types (they register them); nothing else."
     if not isinstance(names, list) or not all(isinstance(n, str) and _MODULE_NAME.fullmatch(n) for n in names):
         raise _fail(path, "manifest 'modules' must be a list of tinycomp module names")
-    for name in names:
-        try: found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError): found = False
-        if not found:
-            raise _fail(path, f"its layers come from {name}, which this tinycomp does not have "
-                        "(a newer tinycomp may have written it; upgrade tinycomp)")
-        importlib.import_module(name)
+    for listed in names:
+        for name in _SPLIT_MODULES.get(listed, [listed]):
+            try: found = importlib.util.find_spec(name) is not None
+            except (ImportError, ValueError): found = False
+            if not found:
+                raise _fail(path, f"its layers come from {name}, which this tinycomp does not have "
+                            "(a newer tinycomp may have written it; upgrade tinycomp)")
+            importlib.import_module(name)
 
 # %% ../nbs/93_io.ipynb #9029fdf9
 def _check_node(path, node, where='model', depth=0):

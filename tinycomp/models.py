@@ -6,7 +6,7 @@
 __all__ = ['MODELS', 'Evaluation', 'TRAINING_CONFIGS', 'PRETRAINED_DIR', 'CLI_ORDER', 'digits_cnn', 'digits_cnn_wide',
            'count_parameters', 'evaluate', 'train_epochs', 'fit', 'train_reference', 'pretrained_path',
            'load_pretrained', 'pretrained_info', 'save_pretrained', 'digits_split_sizes', 'plot_history',
-           'train_command', 'add_cli']
+           'train_command', 'add_cli', 'train_benchmark', 'add_bench_cli']
 
 # %% ../nbs/92_models.ipynb #8775d925
 import json
@@ -19,12 +19,15 @@ from tqdm.auto import tqdm
 
 import tinycomp
 
-from .conv import BatchNorm2d, Conv2d, MaxPool2d
+from .batchnorm import BatchNorm2d
+from .conv import Conv2d
 from .data import DataLoader, load_digits
 from .errors import TinycompError
+from .files import write_json
 from .nn.functional import cross_entropy
 from .nn.modules import Dropout, Flatten, Linear, ReLU, Sequential
 from .optim import Adam, CosineAnnealingLR
+from .pooling import MaxPool2d
 from .tensor import Tensor, manual_seed, no_grad
 
 # %% ../nbs/92_models.ipynb #4950297a
@@ -254,3 +257,89 @@ def add_cli(subparsers):
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     p.set_defaults(func=_run_train)
     return p
+
+# %% ../nbs/92_models.ipynb #63c7b64e
+def _torch_digits_cnn(torch):
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 10))
+
+# %% ../nbs/92_models.ipynb #f4674cfd
+def _train_tinycomp(batches, epochs, lr, test):
+    manual_seed(0)
+    model = digits_cnn()
+    opt = Adam(model.parameters(), lr=lr); sched = CosineAnnealingLR(opt, T_max=epochs)
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for xb, yb in batches:
+            loss = cross_entropy(model(Tensor(xb)), yb)
+            opt.zero_grad(); loss.backward(); opt.step()
+        sched.step()
+    return time.perf_counter() - t0, evaluate(model, test).accuracy
+
+def _train_torch(torch, batches, epochs, lr, test):
+    torch.manual_seed(0)
+    model = _torch_digits_cnn(torch)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+    tb = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for xb, yb in tb:
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad(); loss.backward(); opt.step()
+        sched.step()
+    seconds = time.perf_counter() - t0
+    with torch.no_grad(): acc = (model(torch.from_numpy(test[0])).argmax(1).numpy() == test[1]).mean()
+    return seconds, float(acc)
+
+# %% ../nbs/92_models.ipynb #f2c2295e
+def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=None, verbose=True):
+    "Train digits_cnn `epochs` epochs with tinycomp and (if installed) PyTorch on identical batches; print times and the ratio."
+    from tinycomp.profiling.timing import optional_torch, set_threads, thread_info
+    config = TRAINING_CONFIGS['digits_cnn']
+    info = set_threads(threads) if threads is not None else thread_info()
+    torch = optional_torch() if use_torch else None
+    batches = list(DataLoader(*load_digits('train'), batch_size=config['batch_size'], shuffle=True, seed=config['seed']))
+    test = load_digits('test')
+    result = dict(benchmark=f'train digits_cnn {epochs} epochs', epochs=epochs, runs=runs, threads=info)
+    trainers = {'tinycomp': lambda e: _train_tinycomp(batches, e, config['lr'], test)}
+    if torch is not None: trainers['torch'] = lambda e: _train_torch(torch, batches, e, config['lr'], test)
+    for name, train in trainers.items():
+        train(1)  # warm-up: compilation, allocator, caches
+        time.sleep(0.2)
+        runs_ = [train(epochs) for _ in range(runs)]
+        secs = np.array([r[0] for r in runs_])
+        result[name] = dict(median_s=float(np.median(secs)), min_s=float(secs.min()), max_s=float(secs.max()),
+                            test_accuracy=runs_[-1][1])
+    if torch is not None: result['ratio_tinycomp_over_torch'] = result['tinycomp']['median_s'] / result['torch']['median_s']
+    if verbose:
+        print(f"training digits_cnn, {epochs} epochs x {len(batches)} batches of {config['batch_size']}, median of {runs} runs; "
+              f"threads: numba {info['numba']}, blas {info['blas']}, torch {info['torch']}")
+        for name in trainers:
+            r = result[name]
+            print(f"  {name:9s} {r['median_s']:7.3f} s  (min {r['min_s']:.3f}, max {r['max_s']:.3f})  test accuracy {r['test_accuracy']:.2%}")
+        if torch is not None: print(f"  tinycomp / PyTorch time: {result['ratio_tinycomp_over_torch']:.2f}x")
+        else: print("  (PyTorch is not installed: no comparison)")
+    if json_path: write_json(result, json_path)
+    return result
+
+# %% ../nbs/92_models.ipynb #692bd9cd
+def _run_bench_train(args):
+    train_benchmark(epochs=args.epochs, runs=args.runs, threads=args.threads, use_torch=not args.no_torch, json_path=args.json)
+    return 0
+
+def add_bench_cli(bench_subparsers):
+    "Register `tinycomp bench train [--epochs E] [--runs R] [--threads N] [--json PATH] [--no-torch]` on `tinycomp bench`'s subparsers."
+    from tinycomp.profiling.timing import add_measure_options, positive_int
+    train = bench_subparsers.add_parser(
+        'train', help='train digits_cnn with tinycomp and PyTorch (if installed) on identical batches',
+        description="Train digits_cnn with its training config (Adam, cosine schedule, batch 64) on the same batches in the "
+                    "same order, with tinycomp and, when it is installed, with the same architecture in PyTorch; "
+                    "prints the median time of a few runs after a warm-up run, and the ratio.")
+    train.add_argument('--epochs', type=positive_int, default=15, metavar='E', help='epochs per run (default %(default)s)')
+    train.add_argument('--runs', type=positive_int, default=3, metavar='R', help='timed runs (default %(default)s)')
+    add_measure_options(train, repeats=None)
+    train.add_argument('--no-torch', action='store_true', help='skip PyTorch even if it is installed')
+    train.set_defaults(func=_run_bench_train)
+    return train

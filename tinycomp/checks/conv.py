@@ -98,7 +98,7 @@ def _run_pool_back(ns, i):
                                              int(i['height']), int(i['width'])))}
 
 # %% ../../nbs/checks/02_conv.ipynb #fb250c79
-MODULE = ModuleSpec('02', 'conv', reference=('tinycomp.conv',), checks=[
+MODULE = ModuleSpec('02', 'conv', reference=('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'), checks=[
     Check('conv2d_naive', 'bias', 1.5, _naive_inputs('basic'), _run_naive, timeout=20, exact_dtype=True),
     Check('conv2d_naive', 'stride_padding', 1.5, _naive_inputs('strided'), _run_naive, timeout=20, exact_dtype=True),
     Check('im2col', 'basic', 1, _im2col_inputs('basic'), _run_im2col),

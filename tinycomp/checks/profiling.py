@@ -59,7 +59,9 @@ def _shape_inputs(kind):
 
 def _layers(i):
     "The layers of one case and the input shape they see."
-    from tinycomp.conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+    from tinycomp.batchnorm import BatchNorm2d
+    from tinycomp.conv import Conv2d
+    from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
     from tinycomp.nn.modules import Dropout, Flatten, Linear, ReLU
     n, c, (h, w), a = int(i['n']), int(i['c']), (int(v) for v in i['hw']), [int(v) for v in i['a']]
     kind = int(i['kind'])

@@ -54,7 +54,7 @@ def _importance_inputs(kind):
     return make
 
 def _run_importance(ns, i):
-    from tinycomp.conv import BatchNorm2d
+    from tinycomp.batchnorm import BatchNorm2d
     kind = ('l1', 'l2', 'bn_gamma')[int(i['kind'])]
     bn = None
     if kind == 'bn_gamma':
@@ -72,7 +72,8 @@ def _slice_inputs(kind):
     return make
 
 def _run_slice(ns, i):
-    from tinycomp.conv import BatchNorm2d, Conv2d
+    from tinycomp.batchnorm import BatchNorm2d
+    from tinycomp.conv import Conv2d
     from tinycomp.nn.modules import Linear
     c, cin = i['w'].shape[:2]
     conv = Conv2d(cin, c, 3, padding=1); conv.weight.data, conv.bias.data = i['w'].copy(), i['b'].copy()

@@ -184,7 +184,8 @@ def _fold_inputs(kind):
     return make
 
 def _run_fold(ns, i):
-    from tinycomp.conv import BatchNorm2d, Conv2d
+    from tinycomp.batchnorm import BatchNorm2d
+    from tinycomp.conv import Conv2d
     cout, cin_g = i['w'].shape[:2]
     g = int(i['groups'])
     conv = Conv2d(cin_g * g, cout, 3, padding=1, groups=g, bias=bool(i['has_bias']))

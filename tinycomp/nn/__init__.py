@@ -20,5 +20,6 @@ _all_ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh
 # %% ../../nbs/94_nn.ipynb #f901f556
 from .functional import _lazy_attributes
 
-_CONV_LAYERS = ('Conv2d', 'MaxPool2d', 'AvgPool2d', 'AdaptiveAvgPool2d', 'BatchNorm2d')
-__getattr__, __dir__ = _lazy_attributes(dict.fromkeys(_CONV_LAYERS, 'tinycomp.conv'), globals())
+_CONV_LAYERS = {'Conv2d': 'tinycomp.conv', 'MaxPool2d': 'tinycomp.pooling', 'AvgPool2d': 'tinycomp.pooling',
+                'AdaptiveAvgPool2d': 'tinycomp.pooling', 'BatchNorm2d': 'tinycomp.batchnorm'}   # module 02's layers: where each is defined
+__getattr__, __dir__ = _lazy_attributes(_CONV_LAYERS, globals())

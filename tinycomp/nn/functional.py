@@ -101,5 +101,6 @@ def _lazy_attributes(sources, namespace):
     def __dir__(): return sorted(set(namespace) | set(sources))
     return __getattr__, __dir__
 
-_CONV_FUNCTIONS = ('conv2d', 'max_pool2d', 'avg_pool2d', 'adaptive_avg_pool2d', 'batch_norm')
-__getattr__, __dir__ = _lazy_attributes(dict.fromkeys(_CONV_FUNCTIONS, 'tinycomp.conv'), globals())
+_CONV_FUNCTIONS = {'conv2d': 'tinycomp.conv', 'max_pool2d': 'tinycomp.pooling', 'avg_pool2d': 'tinycomp.pooling',
+                   'adaptive_avg_pool2d': 'tinycomp.pooling', 'batch_norm': 'tinycomp.batchnorm'}   # where each is defined
+__getattr__, __dir__ = _lazy_attributes(_CONV_FUNCTIONS, globals())

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 
 import tinycomp
-from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair
+from ..batchnorm import BatchNorm2d
+from ..conv import Conv2d, _pair
+from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
 from ..files import atomic_write
 from ..nn.modules import Dropout, Flatten, Linear, ReLU, Sequential, Sigmoid, Tanh

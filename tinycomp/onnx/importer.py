@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from ..batchnorm import BatchNorm2d
+from ..conv import Conv2d
+from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
 from ..nn.modules import Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh
 from .export import require_onnx

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair, conv_output_size
+from ..batchnorm import BatchNorm2d
+from ..conv import Conv2d, _pair, conv_output_size
 from ..errors import TinycompError
 from ..files import atomic_write
 from ..nn.modules import Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh
+from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..tensor import no_grad
 
 # %% ../../nbs/03b_counting.ipynb #b447af84

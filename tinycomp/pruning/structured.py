@@ -11,9 +11,11 @@ import copy
 
 import numpy as np
 
-from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d
+from ..batchnorm import BatchNorm2d
+from ..conv import Conv2d
 from ..errors import ShapeError, TinycompError
-from ..nn.modules import Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential, Tanh
+from ..nn.modules import Dropout, Flatten, Linear, Parameter, ReLU, Sequential, Tanh
+from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/05b_structured.ipynb #fafb1bd1
@@ -233,7 +235,7 @@ def channel_plan(model, ratio, importance='l1') -> dict:
                                            + '; '.join(f"layer {i}: {d['reason']}" for i, d in deps.items()))
     plan = {}
     for i, r in sorted(ratios.items()):
-        d, conv = deps[i], layers[i]
+        conv = layers[i]
         bn = layers[i + 1] if i + 1 < len(layers) and isinstance(layers[i + 1], BatchNorm2d) else None
         if importance == 'bn_gamma' and bn is None:
             raise TinycompError(f"importance='bn_gamma' needs a BatchNorm2d right after the conv at layer {i}")

@@ -12,7 +12,8 @@ __all__ = ['QUANT_DTYPES', 'qrange', 'calculate_qparams', 'quantize_per_tensor',
 # %% ../../nbs/04a_quantization.ipynb #d910f125
 import numpy as np
 
-from ..conv import BatchNorm2d, Conv2d
+from ..batchnorm import BatchNorm2d
+from ..conv import Conv2d
 from ..errors import ShapeError, TinycompError
 from ..tensor import Tensor, as_tensor, default_generator
 

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair, conv2d, conv_output_size
+from ..batchnorm import BatchNorm2d
+from ..conv import Conv2d, _pair, conv2d, conv_output_size
+from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..data import load_digits
 from ..errors import TinycompError
 from ..files import register_layer, write_json
 from ..nn.functional import linear
-from ..nn.modules import Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential
+from ..nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential
 from ..tensor import Tensor, as_tensor, default_generator, no_grad
 from .core import (MinMaxObserver, MovingAverageMinMaxObserver, calculate_qparams,
                                         dequantize, fake_quantize, fold_batchnorm, pack_int4, per_channel_qparams,
