@@ -1,14 +1,16 @@
-"Tests of tinycomp.quantization.kernels: bit-exactness of the fast integer kernels, bounds and errors."
+"Tests of tinycomp.quantization.kernels and .int8_conv: bit-exactness of the fast integer kernels, bounds and errors."
 import numpy as np
 import pytest
 
 from tinycomp.conv import adaptive_avg_pool2d, conv2d_forward, max_pool2d
 from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.quantization.core import multiply_by_quantized_multiplier, quantize_multiplier
-from tinycomp.profiling.timing import usable_cores
-from tinycomp.quantization import kernels as K
-from tinycomp.quantization.kernels import (MAX_REDUCTION, int8_matmul, quantized_adaptive_avg_pool2d, quantized_conv2d,
-                                           quantized_conv2d_naive, quantized_linear, quantized_max_pool2d, requantize)
+from tinycomp.profiling.timing import set_threads, thread_info, usable_cores
+from tinycomp.quantization import int8_conv as K
+from tinycomp.quantization.analysis import format_benchmark, int8_conv_benchmark
+from tinycomp.quantization.int8_conv import quantized_conv2d, quantized_linear
+from tinycomp.quantization.kernels import (MAX_REDUCTION, _mbqm, int8_matmul, quantized_adaptive_avg_pool2d,
+                                           quantized_conv2d_naive, quantized_max_pool2d, requantize)
 
 # every kernel level this CPU runs ('vnni', 'avx2', 'loops' on an AVX-512 VNNI machine; 'loops' alone on ARM);
 # TINYCOMP_INT8_KERNEL=avx2|loops caps the list, to test the lower levels on their own
@@ -114,7 +116,7 @@ def test_mbqm_matches_core():
     mult = np.concatenate([rng.integers(0, 2**31, 3000), [2**31 - 1, 2**30, 0, 1, 2**31 - 1, 2**30 + 1, 1]])
     shift = np.concatenate([rng.integers(-31, 31, 3000), [30, -31, 0, 5, -1, 3, -30]])
     want = multiply_by_quantized_multiplier(acc, mult, shift)
-    got = np.array([K._mbqm(int(a), int(m), int(s)) for a, m, s in zip(acc, mult, shift)])
+    got = np.array([_mbqm(int(a), int(m), int(s)) for a, m, s in zip(acc, mult, shift)])
     np.testing.assert_array_equal(got, want)
     # the vectorised 32-bit tile version of the drivers too (multipliers >= 0, as quantize_multiplier gives them)
     for lanes in (1, 16, acc.size):
@@ -253,22 +255,22 @@ def test_adaptive_avg_pool_rounding():
 
 
 def test_benchmark_rows_and_threads_restored():
-    before = K.thread_info()['numba']
+    before = thread_info()['numba']
     other = 1 if before != 1 else min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores())
-    K.set_threads(other)
+    set_threads(other)
     try:
-        rows = K.int8_conv_benchmark(shapes=((2, 4, 6, 6, 8),), repeats=2, threads=1, levels=K.KERNEL_LEVELS)
-        assert K.thread_info()['numba'] == other                    # the caller's setting is back
+        rows = int8_conv_benchmark(shapes=((2, 4, 6, 6, 8),), repeats=2, threads=1, levels=K.KERNEL_LEVELS)
+        assert thread_info()['numba'] == other                    # the caller's setting is back
     finally:
-        K.set_threads(before)
+        set_threads(before)
     r = rows[0]
     assert len(rows) == 1 and r['int8_ms'] > 0 and r['float32_ms'] > 0 and r['threads'] == 1
     for level in K.KERNEL_LEVELS:
         assert r[f'{level}_ms'] > 0 and r[f'{level}_speedup'] > 0
-    table = K.format_benchmark(rows)
+    table = format_benchmark(rows)
     assert 'auto/f32' in table and all(f'{level}/f32' in table for level in K.KERNEL_LEVELS)
     with pytest.raises(TinycompError, match='kernel'):
-        K.int8_conv_benchmark(shapes=((1, 4, 6, 6, 8),), repeats=1, levels=('fast',))
+        int8_conv_benchmark(shapes=((1, 4, 6, 6, 8),), repeats=1, levels=('fast',))
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
@@ -379,14 +381,14 @@ def test_serial_and_parallel_drivers_agree(kernel, monkeypatch):
     rng = np.random.default_rng(14)
     xq, zx, wq, bias, mult, shift = case(rng, 3, 12, 9, 8, 40, 3, 3)
     want = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 2, padding=1)
-    before = K.thread_info()['numba']
-    K.set_threads(min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores()))
+    before = thread_info()['numba']
+    set_threads(min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores()))
     try:
         for macs in (0, 1 << 62):
             monkeypatch.setattr(K, 'PARALLEL_MACS', macs)
             np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 2, padding=1, kernel=kernel), want)
     finally:
-        K.set_threads(before)
+        set_threads(before)
 
 
 def test_kernel_levels_and_env(monkeypatch):
@@ -426,15 +428,15 @@ def test_drivers_come_from_numbas_cache_in_a_new_process():
     import subprocess, sys, textwrap
     code = textwrap.dedent('''
         import numpy as np
-        from tinycomp.quantization import kernels
+        from tinycomp.quantization import int8_conv
         rng = np.random.default_rng(0)
         x = rng.integers(-128, 128, (1, 8, 6, 6)).astype(np.int8)
         w = rng.integers(-127, 128, (16, 8, 3, 3)).astype(np.int8)
-        level = kernels.KERNEL_LEVELS[0]
+        level = int8_conv.KERNEL_LEVELS[0]
         if level != 'loops':
-            kernels.quantized_conv2d(x, 0, w, np.zeros(16, np.int32), np.full(16, 1 << 30, np.int32), np.full(16, -8, np.int32),
-                                     0, padding=1)
-            used = [d for pair in kernels._DRIVERS[level].values() for d in pair if d.signatures]
+            int8_conv.quantized_conv2d(x, 0, w, np.zeros(16, np.int32), np.full(16, 1 << 30, np.int32), np.full(16, -8, np.int32),
+                                       0, padding=1)
+            used = [d for pair in int8_conv._DRIVERS[level].values() for d in pair if d.signatures]
             print(sum(sum(d.stats.cache_hits.values()) for d in used), sum(sum(d.stats.cache_misses.values()) for d in used), len(used))
         else: print(1, 0, 1)
     ''')

@@ -10,7 +10,6 @@ __all__ = ['ONNX_EXTRA', 'DEFAULT_OPSET', 'MIN_OPSET', 'QUANTIZED_FORMS', 'INT8_
            'add_cli', 'onnx_benchmark', 'format_onnx_benchmark', 'add_bench_cli']
 
 # %% ../nbs/96_onnx.ipynb #d01a25c8
-import copy
 import json
 import os
 import platform
@@ -27,10 +26,10 @@ import tinycomp
 from .conv import AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, MaxPool2d, _pair
 from .errors import TinycompError
 from .files import atomic_write, write_json
-from .nn.modules import Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential, Sigmoid, Tanh
+from .nn.modules import Dropout, Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh
 from .pruning.masks import MaskedConv2d, MaskedLinear
 from .pruning.sparse import SparseConv2d, SparseLinear
-from .quantization.models import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear, QuantStub,
+from .quantization.layers import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear, QuantStub,
                                           QuantizedAdaptiveAvgPool2d, QuantizedAvgPool2d, QuantizedConv2d,
                                           QuantizedLinear, QuantizedMaxPool2d, QuantizedReLU)
 from .tensor import Tensor, default_generator, no_grad
