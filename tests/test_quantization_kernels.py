@@ -444,3 +444,36 @@ def test_drivers_come_from_numbas_cache_in_a_new_process():
     run()                                                       # compiles (or loads) and saves
     hits, misses, used = map(int, run())
     assert used >= 1 and hits >= 1 and misses == 0, (hits, misses, used)
+
+
+def test_driver_variants_from_the_cache_keep_their_own_environment(tmp_path):
+    """Two driver variants compiled first thing in two processes must not share a name when a third process loads
+    both from the cache (the second one crashed with 'descr is NULL', or could read the other's constants)."""
+    import os, subprocess, sys, textwrap
+    level = K.KERNEL_LEVELS[0]
+    if level == 'loops': pytest.skip('no micro-kernel level on this CPU')
+    lanes = 16 if level == 'vnni' else 8
+    a, b = (2 * lanes, 4 * lanes) if level == 'vnni' else (lanes, 2 * lanes)      # two variants (vectors per call)
+    code = textwrap.dedent(f'''
+        import sys
+        import numpy as np
+        from tinycomp.quantization import int8_conv
+        from tinycomp.quantization.kernels import quantized_conv2d_naive
+        rng = np.random.default_rng(0)
+        x = rng.integers(-128, 128, (1, 8, 6, 6)).astype(np.int8)
+        for cout in map(int, sys.argv[2:]):
+            w = rng.integers(-127, 128, (cout, 8, 3, 3)).astype(np.int8)
+            if sys.argv[1] == 'helpers':     # compile (and cache) the packing helpers, not a driver
+                int8_conv._geometry_entry(x.shape, w.shape, 1, 1, 1, 1, int8_conv.pack_conv_weights(w, kernel={level!r}))
+                continue
+            args = (x, 0, w, np.zeros(cout, np.int32), np.full(cout, 1 << 30, np.int32), np.full(cout, -8, np.int32), 0)
+            got = int8_conv.quantized_conv2d(*args, padding=1, kernel={level!r})
+            assert np.array_equal(got, quantized_conv2d_naive(*args, padding=1)), cout
+    ''')
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / 'cache'))
+    run = lambda *argv: subprocess.run([sys.executable, '-c', code, *map(str, argv)], env=env, capture_output=True,
+                                       text=True)
+    for argv in (('helpers', a, b), ('run', a), ('run', a, b)):   # each variant compiled first in its own process
+        assert run(*argv).returncode == 0
+    last = run('run', a, b)                                      # both from the cache
+    assert last.returncode == 0, last.stderr[-2000:]

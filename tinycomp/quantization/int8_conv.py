@@ -275,8 +275,12 @@ def _cache_by_variant(dispatcher, variant, *inner):
     """Make Numba's on-disk cache find a driver again in the next process. Numba keys a closure by pickling its cells,
     and a pickled dispatcher (`chunk` here) carries a random uuid, so every process compiled the drivers again (about
     5 s before the first int8 inference). Key them by (ISA, MV) and the bytecode of the inner functions instead; the
-    cache is still dropped when this file changes."""
+    cache is still dropped when this file changes. Each variant also gets a name of its own (`run_serial_vnni_4`):
+    Numba names compiled code and its environment by the function's name and a counter of the process that compiled
+    it, so two variants compiled first thing in two processes had the same name, and a process loading both from the
+    cache gave them one environment (the second crashed with 'descr is NULL')."""
     from numba.core.caching import FunctionCache
+    dispatcher.py_func.__qualname__ += '_' + variant.replace('-', '_')
     codes = b''.join(f.py_func.__code__.co_code for f in inner)
     class VariantCache(FunctionCache):
         def _index_key(self, sig, codegen):
