@@ -135,7 +135,7 @@ def test_parameter_counts_for_every_kind_of_model():
     n = sum(p.data.size for p in model.parameters())
     assert parameter_counts(model) == (n, int(sum(np.count_nonzero(p.data) for p in model.parameters())))
     calib = load_digits('train')[0][:64]
-    from tinycomp.quantization.models import count_weights      # the layers' own count, written independently
+    from tinycomp.quantization.analysis import count_weights      # the layers' own count, written independently
     for variant in (quantize_static(model, calib), quantize_static(model, calib, weight_bits=4), quantize_dynamic(model)):
         total, nonzero = parameter_counts(variant)
         assert total == count_weights(variant) and 0.5 * total < nonzero <= total

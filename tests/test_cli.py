@@ -69,7 +69,7 @@ def test_every_add_cli_module_is_found_and_registered():
         else:
             module.add_bench_cli(alone.add_subparsers())
             assert commands(alone) and set(commands(alone)) <= set(bench), module.__name__
-    assert 'tinycomp.quantization.models' in names and 'quant' in bench
+    assert 'tinycomp.quantization.analysis' in names and 'quant' in bench
     assert list(registered)[:4] == ['tour', 'bench', 'profile', 'train']  # CLI_ORDER: tour, measuring, profiling, training, course
 
 
@@ -81,7 +81,7 @@ def test_commands_live_where_they_belong():
     assert {'conv', 'train'} <= set(bench_sub) and bench_sub['conv'].get_default('func').__module__ == 'tinycomp.conv'   # via add_bench_cli
     assert bench_sub['train'].get_default('func').__module__ == 'tinycomp.models'                                    # via add_bench_cli
     assert list(bench_sub)[:2] == ['conv', 'train']   # the modules' CLI_ORDER
-    assert bench_sub['quant'].get_default('func').__module__ == 'tinycomp.quantization.models'   # via add_bench_cli
+    assert bench_sub['quant'].get_default('func').__module__ == 'tinycomp.quantization.analysis'   # via add_bench_cli
 
 
 def test_cli_registers_bench_conv_and_train():

@@ -145,7 +145,7 @@ def test_export_at_other_opsets(models, tmp_path):
 def test_masked_sparse_and_half_layers_export_dense_with_a_note(models, tmp_path):
     from tinycomp.pruning.masks import prune
     from tinycomp.pruning.schedules import to_sparse
-    from tinycomp.quantization.models import HalfConv2d, HalfLinear
+    from tinycomp.quantization.layers import HalfConv2d, HalfLinear
     masked = prune(models['cnn'], 0.7)
     sparse = to_sparse(masked, max_density=0.5)
     cnn = models['cnn']
@@ -202,7 +202,7 @@ def test_int8_pools_relu_int4_per_tensor_and_qlinearmatmul(tmp_path):
     """Each int8 layer of a model with per-tensor int4 weights, a standalone ReLU, average pools and a bias-free Linear,
     exported alone between stubs and fed int8 values exactly on its input grid (so both sides see the same integers):
     within 1 LSB of ours. (End to end, 1-LSB differences of early layers grow in later ones at such small scales.)"""
-    from tinycomp.quantization.models import (DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAvgPool2d, QuantizedReLU,
+    from tinycomp.quantization.layers import (DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAvgPool2d, QuantizedReLU,
                                               QuantStub)
     q = _odd_int8_model()
     assert {QuantizedReLU, QuantizedAvgPool2d, QuantizedAdaptiveAvgPool2d} <= {type(l) for l in q}

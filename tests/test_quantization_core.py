@@ -1,5 +1,6 @@
-"""Tests for tinycomp.quantization.core: qparams, quantize/dequantize, observers, TFLite fixed-point multipliers
-(against slow Python-integer references), fake quantization with the STE, BatchNorm folding and int4 packing."""
+"""Tests for tinycomp.quantization.core and .observers: qparams, quantize/dequantize, observers, TFLite fixed-point
+multipliers (against slow Python-integer references), fake quantization with the STE, BatchNorm folding and int4
+packing."""
 
 import math
 from fractions import Fraction
@@ -11,11 +12,13 @@ from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.conv import Conv2d
 from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.quantization.core import (
-    QUANT_DTYPES, KLObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver, Observer,
-    PercentileObserver, PerChannelMinMaxObserver, calculate_qparams, dequantize, fake_quantize, fold_batchnorm,
-    mse_range, multiply_by_quantized_multiplier, pack_int4, per_channel_qparams, qrange, quantize_multiplier,
-    quantize_per_channel, quantize_per_tensor, sqnr, unpack_int4)
-from tinycomp.quantization.core import _Histogram, _entropy_threshold, _entropy_threshold_naive
+    QUANT_DTYPES, calculate_qparams, dequantize, fake_quantize, fold_batchnorm, multiply_by_quantized_multiplier,
+    pack_int4, per_channel_qparams, qrange, quantize_multiplier, quantize_per_channel, quantize_per_tensor, sqnr,
+    unpack_int4)
+from tinycomp.quantization.observers import (
+    KLObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver, Observer, PercentileObserver,
+    PerChannelMinMaxObserver, mse_range)
+from tinycomp.quantization.observers import _Histogram, _entropy_threshold, _entropy_threshold_naive
 from tinycomp.tensor import Tensor, default_generator, manual_seed, no_grad
 
 F32 = np.float32

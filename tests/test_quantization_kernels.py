@@ -1,15 +1,17 @@
-"Tests of tinycomp.quantization.kernels: bit-exactness of the fast integer kernels, bounds and errors."
+"Tests of tinycomp.quantization.kernels and .int8_conv: bit-exactness of the fast integer kernels, bounds and errors."
 import numpy as np
 import pytest
 
 from tinycomp.conv import conv2d_forward
-from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.pooling import adaptive_avg_pool2d, max_pool2d
-from tinycomp.profiling.timing import usable_cores
-from tinycomp.quantization import kernels as K
+from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.quantization.core import multiply_by_quantized_multiplier, quantize_multiplier
-from tinycomp.quantization.kernels import (MAX_REDUCTION, int8_matmul, quantized_adaptive_avg_pool2d, quantized_conv2d,
-                                           quantized_conv2d_naive, quantized_linear, quantized_max_pool2d, requantize)
+from tinycomp.profiling.timing import set_threads, thread_info, usable_cores
+from tinycomp.quantization import int8_conv as K
+from tinycomp.quantization.analysis import format_benchmark, int8_conv_benchmark
+from tinycomp.quantization.int8_conv import quantized_conv2d, quantized_linear
+from tinycomp.quantization.kernels import (MAX_REDUCTION, _mbqm, int8_matmul, quantized_adaptive_avg_pool2d,
+                                           quantized_conv2d_naive, quantized_max_pool2d, requantize)
 
 # every kernel level this CPU runs ('vnni', 'avx2', 'loops' on an AVX-512 VNNI machine; 'loops' alone on ARM);
 # TINYCOMP_INT8_KERNEL=avx2|loops caps the list, to test the lower levels on their own
@@ -115,7 +117,7 @@ def test_mbqm_matches_core():
     mult = np.concatenate([rng.integers(0, 2**31, 3000), [2**31 - 1, 2**30, 0, 1, 2**31 - 1, 2**30 + 1, 1]])
     shift = np.concatenate([rng.integers(-31, 31, 3000), [30, -31, 0, 5, -1, 3, -30]])
     want = multiply_by_quantized_multiplier(acc, mult, shift)
-    got = np.array([K._mbqm(int(a), int(m), int(s)) for a, m, s in zip(acc, mult, shift)])
+    got = np.array([_mbqm(int(a), int(m), int(s)) for a, m, s in zip(acc, mult, shift)])
     np.testing.assert_array_equal(got, want)
     # the vectorised 32-bit tile version of the drivers too (multipliers >= 0, as quantize_multiplier gives them)
     for lanes in (1, 16, acc.size):
@@ -254,22 +256,22 @@ def test_adaptive_avg_pool_rounding():
 
 
 def test_benchmark_rows_and_threads_restored():
-    before = K.thread_info()['numba']
+    before = thread_info()['numba']
     other = 1 if before != 1 else min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores())
-    K.set_threads(other)
+    set_threads(other)
     try:
-        rows = K.int8_conv_benchmark(shapes=((2, 4, 6, 6, 8),), repeats=2, threads=1, levels=K.KERNEL_LEVELS)
-        assert K.thread_info()['numba'] == other                    # the caller's setting is back
+        rows = int8_conv_benchmark(shapes=((2, 4, 6, 6, 8),), repeats=2, threads=1, levels=K.KERNEL_LEVELS)
+        assert thread_info()['numba'] == other                    # the caller's setting is back
     finally:
-        K.set_threads(before)
+        set_threads(before)
     r = rows[0]
     assert len(rows) == 1 and r['int8_ms'] > 0 and r['float32_ms'] > 0 and r['threads'] == 1
     for level in K.KERNEL_LEVELS:
         assert r[f'{level}_ms'] > 0 and r[f'{level}_speedup'] > 0
-    table = K.format_benchmark(rows)
+    table = format_benchmark(rows)
     assert 'auto/f32' in table and all(f'{level}/f32' in table for level in K.KERNEL_LEVELS)
     with pytest.raises(TinycompError, match='kernel'):
-        K.int8_conv_benchmark(shapes=((1, 4, 6, 6, 8),), repeats=1, levels=('fast',))
+        int8_conv_benchmark(shapes=((1, 4, 6, 6, 8),), repeats=1, levels=('fast',))
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
@@ -380,14 +382,14 @@ def test_serial_and_parallel_drivers_agree(kernel, monkeypatch):
     rng = np.random.default_rng(14)
     xq, zx, wq, bias, mult, shift = case(rng, 3, 12, 9, 8, 40, 3, 3)
     want = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 2, padding=1)
-    before = K.thread_info()['numba']
-    K.set_threads(min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores()))
+    before = thread_info()['numba']
+    set_threads(min(2, K.numba.config.NUMBA_NUM_THREADS, usable_cores()))
     try:
         for macs in (0, 1 << 62):
             monkeypatch.setattr(K, 'PARALLEL_MACS', macs)
             np.testing.assert_array_equal(quantized_conv2d(xq, zx, wq, bias, mult, shift, 2, padding=1, kernel=kernel), want)
     finally:
-        K.set_threads(before)
+        set_threads(before)
 
 
 def test_kernel_levels_and_env(monkeypatch):
@@ -427,15 +429,15 @@ def test_drivers_come_from_numbas_cache_in_a_new_process():
     import subprocess, sys, textwrap
     code = textwrap.dedent('''
         import numpy as np
-        from tinycomp.quantization import kernels
+        from tinycomp.quantization import int8_conv
         rng = np.random.default_rng(0)
         x = rng.integers(-128, 128, (1, 8, 6, 6)).astype(np.int8)
         w = rng.integers(-127, 128, (16, 8, 3, 3)).astype(np.int8)
-        level = kernels.KERNEL_LEVELS[0]
+        level = int8_conv.KERNEL_LEVELS[0]
         if level != 'loops':
-            kernels.quantized_conv2d(x, 0, w, np.zeros(16, np.int32), np.full(16, 1 << 30, np.int32), np.full(16, -8, np.int32),
-                                     0, padding=1)
-            used = [d for pair in kernels._DRIVERS[level].values() for d in pair if d.signatures]
+            int8_conv.quantized_conv2d(x, 0, w, np.zeros(16, np.int32), np.full(16, 1 << 30, np.int32), np.full(16, -8, np.int32),
+                                       0, padding=1)
+            used = [d for pair in int8_conv._DRIVERS[level].values() for d in pair if d.signatures]
             print(sum(sum(d.stats.cache_hits.values()) for d in used), sum(sum(d.stats.cache_misses.values()) for d in used), len(used))
         else: print(1, 0, 1)
     ''')
@@ -443,3 +445,36 @@ def test_drivers_come_from_numbas_cache_in_a_new_process():
     run()                                                       # compiles (or loads) and saves
     hits, misses, used = map(int, run())
     assert used >= 1 and hits >= 1 and misses == 0, (hits, misses, used)
+
+
+def test_driver_variants_from_the_cache_keep_their_own_environment(tmp_path):
+    """Two driver variants compiled first thing in two processes must not share a name when a third process loads
+    both from the cache (the second one crashed with 'descr is NULL', or could read the other's constants)."""
+    import os, subprocess, sys, textwrap
+    level = K.KERNEL_LEVELS[0]
+    if level == 'loops': pytest.skip('no micro-kernel level on this CPU')
+    lanes = 16 if level == 'vnni' else 8
+    a, b = (2 * lanes, 4 * lanes) if level == 'vnni' else (lanes, 2 * lanes)      # two variants (vectors per call)
+    code = textwrap.dedent(f'''
+        import sys
+        import numpy as np
+        from tinycomp.quantization import int8_conv
+        from tinycomp.quantization.kernels import quantized_conv2d_naive
+        rng = np.random.default_rng(0)
+        x = rng.integers(-128, 128, (1, 8, 6, 6)).astype(np.int8)
+        for cout in map(int, sys.argv[2:]):
+            w = rng.integers(-127, 128, (cout, 8, 3, 3)).astype(np.int8)
+            if sys.argv[1] == 'helpers':     # compile (and cache) the packing helpers, not a driver
+                int8_conv._geometry_entry(x.shape, w.shape, 1, 1, 1, 1, int8_conv.pack_conv_weights(w, kernel={level!r}))
+                continue
+            args = (x, 0, w, np.zeros(cout, np.int32), np.full(cout, 1 << 30, np.int32), np.full(cout, -8, np.int32), 0)
+            got = int8_conv.quantized_conv2d(*args, padding=1, kernel={level!r})
+            assert np.array_equal(got, quantized_conv2d_naive(*args, padding=1)), cout
+    ''')
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / 'cache'))
+    run = lambda *argv: subprocess.run([sys.executable, '-c', code, *map(str, argv)], env=env, capture_output=True,
+                                       text=True)
+    for argv in (('helpers', a, b), ('run', a), ('run', a, b)):   # each variant compiled first in its own process
+        assert run(*argv).returncode == 0
+    last = run('run', a, b)                                      # both from the cache
+    assert last.returncode == 0, last.stderr[-2000:]

@@ -1,6 +1,9 @@
-"Tests for tinycomp.quantization.models: integer-only layers and models, model files, QAT, mixed precision, bench."
+"""Tests for tinycomp.quantization.layers, .models and .analysis: integer-only layers and models, model files, QAT,
+mixed precision, bench."""
 import copy
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,14 +11,14 @@ import pytest
 from tinycomp import io as tio
 from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.conv import Conv2d
+from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.errors import ModelFileError, TinycompError
 from tinycomp.models import evaluate, fit, load_pretrained
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.optim import Adam
-from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
-from tinycomp.quantization import models as Q
-from tinycomp.quantization.core import pack_int4, unpack_int4
+from tinycomp.quantization import analysis as A, layers as L, models as Q
+from tinycomp.quantization.core import pack_int4, sqnr, unpack_int4
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 
 
@@ -61,11 +64,11 @@ def test_static_int8_accuracy_and_dtypes(cnn, q8, digits):
     X, y = digits['test']
     assert evaluate(q8, (X, y)).accuracy >= evaluate(cnn, (X, y)).accuracy - 0.01
     seen = []
-    hooks = [m.register_forward_hook(lambda mod, a, o: seen.append((type(mod), Q._data(a[0]).dtype, Q._data(o).dtype)))
+    hooks = [m.register_forward_hook(lambda mod, a, o: seen.append((type(mod), L._data(a[0]).dtype, L._data(o).dtype)))
              for m in q8]
     q8(Tensor(X[:7]))
     for h in hooks: h.remove()
-    assert seen[0][0] is Q.QuantStub and seen[-1][0] is Q.DeQuantStub
+    assert seen[0][0] is L.QuantStub and seen[-1][0] is L.DeQuantStub
     assert all(din == np.int8 for _, din, _ in seen[1:])              # between the stubs: int8 in ...
     assert all(dout == np.int8 for _, _, dout in seen[:-1])           # ... and int8 out
     assert seen[-1][2] == np.float32 and seen[0][1] == np.float32
@@ -81,11 +84,11 @@ def test_every_supported_layer_kind_and_lsb_agreement(digits):
                      'QuantizedAvgPool2d', 'QuantizedReLU', 'QuantizedAdaptiveAvgPool2d', 'Flatten', 'QuantizedLinear',
                      'DeQuantStub']
     assert q[1].relu and q[2].relu and not q[4].relu and q[2].groups == 2
-    agree = Q.lsb_agreement(q, digits['test'][0])
+    agree = A.lsb_agreement(q, digits['test'][0])
     # 1-LSB differences in early layers (ties of the integer average pool, the fixed-point multiplier) propagate
     # through four more layers of this random network; the digits models are held to 99.9 % below
     assert agree['within_1'] >= 0.95 and agree['max_diff'] <= 4
-    rep = Q.quantization_report(m, q, digits['test'][0][:64])
+    rep = A.quantization_report(m, q, digits['test'][0][:64])
     assert [r['kind'] for r in rep] == ['conv', 'conv', 'maxpool', 'conv', 'avgpool', 'relu', 'adaptive', 'flatten', 'linear']
     assert all(r['sqnr_db'] > 15 for r in rep)
 
@@ -94,11 +97,11 @@ def test_every_supported_layer_kind_and_lsb_agreement(digits):
 def test_integer_path_matches_fake_quant_simulation(name, digits):
     q = Q.quantize_static(load_pretrained(name), digits['calib'])
     X = digits['test'][0]
-    agree = Q.lsb_agreement(q, X)
+    agree = A.lsb_agreement(q, X)
     assert agree['n'] == len(X) * 10 and agree['within_1'] >= 0.999 and agree['max_diff'] <= 2
     from tinycomp.tensor import default_generator
     state = default_generator().bit_generator.state
-    sim = Q.simulate(q)
+    sim = A.simulate(q)
     assert default_generator().bit_generator.state == state          # seeded runs undisturbed
     assert all(type(l).__name__ not in ('QuantStub', 'DeQuantStub') for l in sim)
 
@@ -166,16 +169,16 @@ def test_layers_refuse_float_activations(q8):
     with pytest.raises(TinycompError, match="expects float input"): q8[0](np.zeros((1, 1, 8, 8), np.int8))
     with pytest.raises(TinycompError, match="NaN"): q8[0](np.full((1, 1, 8, 8), np.nan, np.float32))
     for bits in (1, 5, 16, True):
-        with pytest.raises(TinycompError, match=r"weight_bits must be one of \(2, 3, 4, 8\)"): Q.QuantizedLinear(3, 2, weight_bits=bits)
+        with pytest.raises(TinycompError, match=r"weight_bits must be one of \(2, 3, 4, 8\)"): L.QuantizedLinear(3, 2, weight_bits=bits)
 
 
 @pytest.mark.parametrize('bits', [2, 3, 4])
 def test_narrow_weights_are_packed_and_exact(cnn, digits, tmp_path, bits):
     "2-, 3- and 4-bit weights: values in [-qmax, qmax], stored packed, the same in QAT and after convert."
     q = Q.quantize_static(cnn, digits['calib'], weight_bits=bits)
-    qmax = Q.weight_qmax(bits)
+    qmax = L.weight_qmax(bits)
     for m in q:
-        if isinstance(m, (Q.QuantizedConv2d, Q.QuantizedLinear)):
+        if isinstance(m, (L.QuantizedConv2d, L.QuantizedLinear)):
             w = m.int_weight()
             assert m.weight.dtype == np.uint8 and m.weight.size == (w.size + 1) // 2
             assert np.abs(w).max() == qmax                       # the largest weight of each layer uses the top level
@@ -190,7 +193,7 @@ def test_narrow_weights_are_packed_and_exact(cnn, digits, tmp_path, bits):
     qat = Q.prepare_qat(cnn, weight_bits=bits)                   # QAT's fake weights are exactly the converted ones
     with no_grad(): qat(Tensor(digits['calib']))
     conv = Q.convert(qat)
-    for a, b in zip([m for m in qat if hasattr(m, 'fake_weight')], [m for m in conv if isinstance(m, (Q.QuantizedConv2d, Q.QuantizedLinear))]):
+    for a, b in zip([m for m in qat if hasattr(m, 'fake_weight')], [m for m in conv if isinstance(m, (L.QuantizedConv2d, L.QuantizedLinear))]):
         assert np.array_equal(a.fake_weight().data, b.float_weight())
 
 
@@ -202,10 +205,26 @@ def test_save_load_round_trip(q8, cnn, digits, tmp_path):
         assert same_state(snapshot(model), snapshot(back))
         assert np.array_equal(back(Tensor(X)).data, model(Tensor(X)).data)
     manifest, arrays = tio.read_manifest(tmp_path / 'm.npz')
-    assert 'tinycomp.quantization.models' in manifest['modules']
+    assert 'tinycomp.quantization.layers' in manifest['modules']
     f32, i8 = tio.save(cnn, tmp_path / 'f.npz').stat().st_size, tio.save(q8, tmp_path / 'q.npz').stat().st_size
     assert i8 < 0.36 * f32 and Q.model_bytes(q8) <= 0.27 * Q.model_bytes(cnn)
 
+
+def test_files_naming_the_former_module_of_the_layers_still_load(q8, digits, tmp_path):
+    "Files written when the quantized layers were defined in tinycomp.quantization.models name that module: they load."
+    with np.load(tio.save(q8, tmp_path / 'q.npz'), allow_pickle=False) as f: arrays = {k: f[k] for k in f.files}
+    manifest = json.loads(arrays.pop('__manifest__').tobytes())
+    manifest['modules'] = [m.replace('quantization.layers', 'quantization.models') for m in manifest['modules']]
+    assert 'tinycomp.quantization.models' in manifest['modules']
+    old = tmp_path / 'old.npz'
+    np.savez(old, __manifest__=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **arrays)
+    X = digits['test'][0][:20]
+    np.save(tmp_path / 'x.npy', X)
+    code = ("import sys, numpy as np, tinycomp.io as tio\nfrom tinycomp.tensor import Tensor\n"
+            f"m = tio.load({str(old)!r})\n"
+            f"np.save({str(tmp_path / 'y.npy')!r}, m(Tensor(np.load({str(tmp_path / 'x.npy')!r}))).data)")
+    subprocess.run([sys.executable, '-c', code], check=True)           # a fresh process: nothing imported before
+    assert np.array_equal(np.load(tmp_path / 'y.npy'), q8(Tensor(X)).data)
 
 def _tampered(model, layer, buffer, change):
     m = copy.deepcopy(model)
@@ -274,7 +293,7 @@ def test_malformed_files_with_crafted_arrays(q8, cnn, digits, tmp_path):
 
 
 def test_check_state_packed_size_direct():
-    layer = Q.QuantizedLinear(3, 3, weight_bits=4)
+    layer = L.QuantizedLinear(3, 3, weight_bits=4)
     layer._buffers['weight_scale'] = np.ones(3, np.float32)
     layer.check_state()
     layer._buffers['weight'] = np.zeros(4, np.uint8)
@@ -286,7 +305,7 @@ def test_check_state_packed_size_direct():
 # ---------------------------------------------------------------- dynamic, QAT, mixed precision, report
 def test_quantize_dynamic(wide, digits):
     qd = Q.quantize_dynamic(wide)
-    lins = [m for m in qd.modules() if isinstance(m, Q.DynamicQuantizedLinear)]
+    lins = [m for m in qd.modules() if isinstance(m, L.DynamicQuantizedLinear)]
     assert len(lins) == 2 and not any(type(m) is Linear for m in qd.modules())
     assert [n for n, _ in qd.named_children()] == [str(i) for i in range(15)]        # order kept
     assert [type(m).__name__ for m in qd][12:] == ['DynamicQuantizedLinear', 'ReLU', 'DynamicQuantizedLinear']
@@ -296,9 +315,9 @@ def test_quantize_dynamic(wide, digits):
     lin = wide[-1]
     x = np.random.default_rng(0).standard_normal((5, 48)).astype(np.float32)
     with no_grad(): ref = lin(Tensor(x)).data
-    assert Q.sqnr(ref, Q.DynamicQuantizedLinear.from_float(lin)(x).data) > 30
+    assert sqnr(ref, L.DynamicQuantizedLinear.from_float(lin)(x).data) > 30
     with pytest.raises(TinycompError, match="last dimension 48"): lins[-1](np.zeros((2, 7), np.float32))
-    rep = Q.quantization_report(wide, qd, X[:32])
+    rep = A.quantization_report(wide, qd, X[:32])
     assert [r['precision'] for r in rep if r['kind'] == 'linear'] == ['dynamic int8', 'dynamic int8']
 
 
@@ -340,31 +359,31 @@ def test_qat_wins_back_what_ternary_ptq_loses(cnn, digits):
 
 def test_layer_sensitivity_and_mixed_precision(cnn, digits, tmp_path):
     val = (digits['val'][0][:100], digits['val'][1][:100])
-    rows = Q.layer_sensitivity(cnn, digits['calib'][:64], val)
+    rows = A.layer_sensitivity(cnn, digits['calib'][:64], val)
     assert [(r['op'], r['bits']) for r in rows] == [(0, 8), (0, 4), (1, 8), (1, 4), (4, 8), (4, 4)]
     for i in (0, 2, 4): assert rows[i]['sqnr_db'] > rows[i + 1]['sqnr_db']      # int4 noisier than int8
     full = Q.model_bytes(Q.quantize_static(cnn, digits['calib'][:64]))
     all4 = Q.model_bytes(Q.quantize_static(cnn, digits['calib'][:64], weight_bits=4))
     with pytest.raises(TinycompError, match=f"even all-int4 weights need {all4} bytes"):
-        Q.mixed_precision(cnn, digits['calib'][:64], val, all4 - 1, sensitivity=rows)
-    with pytest.raises(TinycompError, match="positive whole number"): Q.mixed_precision(cnn, digits['calib'], val, -5)
-    big = Q.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn), sensitivity=rows)
-    assert Q.precision_plan(big) == ['float32'] * 3                   # fits already: nothing quantized
-    m = Q.mixed_precision(cnn, digits['calib'][:64], val, full - 500, sensitivity=rows)
-    plan = Q.precision_plan(m)
+        A.mixed_precision(cnn, digits['calib'][:64], val, all4 - 1, sensitivity=rows)
+    with pytest.raises(TinycompError, match="positive whole number"): A.mixed_precision(cnn, digits['calib'], val, -5)
+    big = A.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn), sensitivity=rows)
+    assert A.precision_plan(big) == ['float32'] * 3                   # fits already: nothing quantized
+    m = A.mixed_precision(cnn, digits['calib'][:64], val, full - 500, sensitivity=rows)
+    plan = A.precision_plan(m)
     assert Q.model_bytes(m) <= full - 500 and 'int4' in plan
-    half = Q.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) - 1000, sensitivity=rows)
-    assert Q.precision_plan(half) == ['float32', 'float32', 'float16']    # the lossless step that saves the most
+    half = A.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) - 1000, sensitivity=rows)
+    assert A.precision_plan(half) == ['float32', 'float32', 'float16']    # the lossless step that saves the most
     assert type(half[-1]).__name__ == 'HalfLinear' and half[-1].weight.dtype == np.float16
-    mid = Q.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) // 2 - 1000, sensitivity=rows)
-    plan = Q.precision_plan(mid)
-    assert Q.model_bytes(mid) <= Q.model_bytes(cnn) // 2 - 1000 and any(isinstance(l, Q.QuantStub) for l in mid)
+    mid = A.mixed_precision(cnn, digits['calib'][:64], val, Q.model_bytes(cnn) // 2 - 1000, sensitivity=rows)
+    plan = A.precision_plan(mid)
+    assert Q.model_bytes(mid) <= Q.model_bytes(cnn) // 2 - 1000 and any(isinstance(l, L.QuantStub) for l in mid)
     assert {'float16', 'float32'} & set(plan) and {'int8', 'int4'} & set(plan), plan
     X = digits['test'][0][:30]
     for model in (m, half, mid):
         back = tio.load(tio.save(model, tmp_path / 'mixed.npz'))
         assert np.array_equal(back(Tensor(X)).data, model(Tensor(X)).data)
-    rep = Q.quantization_report(cnn, mid, X)
+    rep = A.quantization_report(cnn, mid, X)
     assert len(rep) == 5 and {'float16', 'float32'} & {r['precision'] for r in rep}
 
 
@@ -380,7 +399,7 @@ def test_build_quantized_float_islands(cnn, digits):
 
 def test_histogram_plot(cnn, q8, digits, tmp_path):
     import matplotlib; matplotlib.use('Agg')
-    fig = Q.plot_quantization_histograms(cnn, q8, digits['test'][0][:50], path=tmp_path / 'h.png')
+    fig = A.plot_quantization_histograms(cnn, q8, digits['test'][0][:50], path=tmp_path / 'h.png')
     assert len(fig.axes) == 6 and (tmp_path / 'h.png').stat().st_size > 0
     import matplotlib.pyplot as plt; plt.close(fig)
 

@@ -11,7 +11,6 @@ __all__ = ['REPEAT_TOLERANCE', 'TIE_MARGIN', 'CONVENTIONS', 'predict', 'wilson_i
 import contextlib
 import gc
 import math
-import os
 import platform
 import sys
 import tempfile
@@ -186,8 +185,8 @@ def environment() -> dict:
     "The machine and software a measurement was taken on: CPU, cores, thread settings and versions."
     env = dict(cpu=_cpu_model(), machine=platform.machine(), usable_cores=usable_cores(), threads=thread_info(),
                python=platform.python_version(), numpy=np.__version__, numba=numba.__version__, platform=platform.platform())
-    kernels = sys.modules.get('tinycomp.quantization.kernels')     # only if a quantized model is in play
-    if kernels is not None: env['int8_kernel'] = kernels.KERNEL_LEVELS[0]
+    int8_conv = sys.modules.get('tinycomp.quantization.int8_conv')  # only if a quantized model is in play
+    if int8_conv is not None: env['int8_kernel'] = int8_conv.KERNEL_LEVELS[0]
     return env
 
 # %% ../../nbs/07a_benchmarking.ipynb #88105c9a

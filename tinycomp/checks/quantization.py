@@ -85,20 +85,6 @@ def _run_per_channel(ns, i):
     s, z = ns.per_channel_qparams(i['w'], axis=int(i['axis']), dtype=_DTYPES[int(i['dtype'])], symmetric=bool(i['symmetric']))
     return {'scale': arr(s), 'zero_point': arr(z)}
 
-# %% ../../nbs/checks/04_quantization.ipynb #a14f92c6
-def _mse_inputs(kind):
-    def make(rng):
-        x = f32(rng, 300)
-        x[rng.choice(300, 3, replace=False)] *= rng.uniform(8, 15, 3)
-        if kind == 'relu': x = np.abs(x)
-        return {'x': x, 'dtype': np.array(_DTYPES.index({'relu': 'uint8', 'outliers': 'int8', 'int4': 'int4'}[kind])),
-                'symmetric': np.array(int(kind == 'int4')), 'grid': np.array(int(rng.integers(20, 41)))}
-    return make
-
-def _run_mse(ns, i):
-    lo, hi = ns.mse_range(i['x'], _DTYPES[int(i['dtype'])], bool(i['symmetric']), int(i['grid']))
-    return {'lo': np.array(float(lo)), 'hi': np.array(float(hi))}
-
 # %% ../../nbs/checks/04_quantization.ipynb #f8212459
 def _multiplier_inputs(kind):
     def make(rng):
@@ -218,6 +204,20 @@ def _unpack_inputs(kind):
 
 def _run_unpack(ns, i): return {'q': arr(ns.unpack_int4(i['packed'], int(i['n'])))}
 
+# %% ../../nbs/checks/04_quantization.ipynb #a14f92c6
+def _mse_inputs(kind):
+    def make(rng):
+        x = f32(rng, 300)
+        x[rng.choice(300, 3, replace=False)] *= rng.uniform(8, 15, 3)
+        if kind == 'relu': x = np.abs(x)
+        return {'x': x, 'dtype': np.array(_DTYPES.index({'relu': 'uint8', 'outliers': 'int8', 'int4': 'int4'}[kind])),
+                'symmetric': np.array(int(kind == 'int4')), 'grid': np.array(int(rng.integers(20, 41)))}
+    return make
+
+def _run_mse(ns, i):
+    lo, hi = ns.mse_range(i['x'], _DTYPES[int(i['dtype'])], bool(i['symmetric']), int(i['grid']))
+    return {'lo': np.array(float(lo)), 'hi': np.array(float(hi))}
+
 # %% ../../nbs/checks/04_quantization.ipynb #1de72462
 def _matmul_inputs(kind):
     def make(rng):
@@ -259,7 +259,9 @@ def _run_requant(ns, i):
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
 MODULE = ModuleSpec('04', 'quantization', reference=(
-    'tinycomp.quantization.core', 'tinycomp.quantization.kernels', 'tinycomp.quantization.models'), checks=[
+    'tinycomp.quantization.core', 'tinycomp.quantization.observers', 'tinycomp.quantization.kernels',
+    'tinycomp.quantization.int8_conv', 'tinycomp.quantization.layers', 'tinycomp.quantization.models',
+    'tinycomp.quantization.analysis'), checks=[
     Check('calculate_qparams', 'asymmetric_int8', 1, _qparams_inputs('int8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'asymmetric_uint8', 1, _qparams_inputs('uint8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'symmetric_int8', 1, _qparams_inputs('int8', True), _run_qparams, exact_dtype=True),
@@ -277,9 +279,6 @@ MODULE = ModuleSpec('04', 'quantization', reference=(
           deps=('calculate_qparams',)),
     Check('per_channel_qparams', 'int4_axis1', 1, _per_channel_inputs('int4_axis1'), _run_per_channel, exact_dtype=True,
           deps=('calculate_qparams',)),
-    Check('mse_range', 'relu', 1, _mse_inputs('relu'), _run_mse, deps=('calculate_qparams', 'quantize_per_tensor', 'dequantize')),
-    Check('mse_range', 'outliers', 1, _mse_inputs('outliers'), _run_mse, deps=('calculate_qparams', 'quantize_per_tensor', 'dequantize')),
-    Check('mse_range', 'int4', 1, _mse_inputs('int4'), _run_mse, deps=('calculate_qparams', 'quantize_per_tensor', 'dequantize')),
     Check('quantize_multiplier', 'typical', 1, _multiplier_inputs('typical'), _run_multiplier, **_EXACT),
     Check('quantize_multiplier', 'ties', 1, _multiplier_inputs('ties'), _run_multiplier, **_EXACT),
     Check('quantize_multiplier', 'extremes', 1, _multiplier_inputs('extremes'), _run_multiplier, **_EXACT),
@@ -295,6 +294,9 @@ MODULE = ModuleSpec('04', 'quantization', reference=(
     Check('pack_int4', 'odd', 1, _pack_inputs('odd'), _run_pack, **_EXACT),
     Check('unpack_int4', 'even', 1, _unpack_inputs('even'), _run_unpack, **_EXACT),
     Check('unpack_int4', 'odd', 1, _unpack_inputs('odd'), _run_unpack, **_EXACT),
+    Check('mse_range', 'relu', 1, _mse_inputs('relu'), _run_mse, deps=('calculate_qparams', 'quantize_per_tensor', 'dequantize')),
+    Check('mse_range', 'outliers', 1, _mse_inputs('outliers'), _run_mse, deps=('calculate_qparams', 'quantize_per_tensor', 'dequantize')),
+    Check('mse_range', 'int4', 1, _mse_inputs('int4'), _run_mse, deps=('calculate_qparams', 'quantize_per_tensor', 'dequantize')),
     Check('int8_matmul', 'int8_bias', 2, _matmul_inputs('int8_bias'), _run_matmul, **_EXACT),
     Check('int8_matmul', 'uint8_no_bias', 2, _matmul_inputs('uint8_no_bias'), _run_matmul, **_EXACT),
     Check('requantize', 'int8', 2, _requant_inputs('int8'), _run_requant, **_EXACT, deps=('multiply_by_quantized_multiplier',)),

@@ -21,7 +21,7 @@ from ..files import atomic_write
 from ..nn.modules import Dropout, Flatten, Linear, ReLU, Sequential, Sigmoid, Tanh
 from ..pruning.masks import MaskedConv2d, MaskedLinear
 from ..pruning.sparse import SparseConv2d, SparseLinear
-from ..quantization.models import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear, QuantStub,
+from ..quantization.layers import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear, QuantStub,
                                           QuantizedAdaptiveAvgPool2d, QuantizedAvgPool2d, QuantizedConv2d,
                                           QuantizedLinear, QuantizedMaxPool2d, QuantizedReLU)
 from ..tensor import Tensor, no_grad

@@ -22,7 +22,7 @@ from ..errors import TinycompError
 from ..files import write_json
 from ..nn.modules import Sequential
 from .export import QUANTIZED_FORMS, _leaves, export_onnx, require_onnx
-from ..quantization.models import DeQuantStub, QuantStub
+from ..quantization.layers import DeQuantStub, QuantStub
 from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/96c_onnx_runtime.ipynb #dc845071

@@ -9,17 +9,19 @@ __all__ = []
 from ..nn.functional import _lazy_attributes
 
 _PARTS = {
-    'core': ('QUANT_DTYPES', 'KLObserver', 'MSEObserver', 'MinMaxObserver', 'MovingAverageMinMaxObserver', 'Observer',
-             'PercentileObserver', 'PerChannelMinMaxObserver', 'calculate_qparams', 'dequantize', 'fake_quantize',
-             'fold_batchnorm', 'mse_range', 'multiply_by_quantized_multiplier', 'pack_int4', 'per_channel_qparams',
-             'qrange', 'quantize_multiplier', 'quantize_per_channel', 'quantize_per_tensor', 'sqnr', 'unpack_int4'),
-    'kernels': ('MAX_REDUCTION', 'int8_matmul', 'pack_conv_weights', 'quantized_adaptive_avg_pool2d', 'quantized_conv2d',
-                'quantized_conv2d_naive', 'quantized_linear', 'quantized_max_pool2d', 'requantize'),
-    'models': ('DeQuantStub', 'DynamicQuantizedLinear', 'QuantStub', 'QuantizedAdaptiveAvgPool2d', 'QuantizedAvgPool2d',
-               'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d', 'QuantizedReLU', 'convert',
-               'layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'model_bytes', 'plot_quantization_histograms',
-               'precision_plan', 'prepare_qat', 'quant_benchmark', 'quantization_report', 'quantize_dynamic',
-               'quantize_static', 'simulate')}
+    'core': ('QUANT_DTYPES', 'calculate_qparams', 'dequantize', 'fake_quantize', 'fold_batchnorm',
+             'multiply_by_quantized_multiplier', 'pack_int4', 'per_channel_qparams', 'qrange', 'quantize_multiplier',
+             'quantize_per_channel', 'quantize_per_tensor', 'sqnr', 'unpack_int4'),
+    'observers': ('KLObserver', 'MSEObserver', 'MinMaxObserver', 'MovingAverageMinMaxObserver', 'Observer',
+                  'PercentileObserver', 'PerChannelMinMaxObserver', 'mse_range'),
+    'kernels': ('MAX_REDUCTION', 'int8_matmul', 'quantized_adaptive_avg_pool2d', 'quantized_conv2d_naive',
+                'quantized_max_pool2d', 'requantize'),
+    'int8_conv': ('pack_conv_weights', 'quantized_conv2d', 'quantized_linear'),
+    'layers': ('DeQuantStub', 'DynamicQuantizedLinear', 'QuantStub', 'QuantizedAdaptiveAvgPool2d', 'QuantizedAvgPool2d',
+               'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d', 'QuantizedReLU'),
+    'models': ('convert', 'model_bytes', 'prepare_qat', 'quantize_dynamic', 'quantize_static'),
+    'analysis': ('layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'plot_quantization_histograms', 'precision_plan',
+                 'quant_benchmark', 'quantization_report', 'simulate')}
 __getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.quantization.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.quantization.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
