@@ -7,8 +7,10 @@ import math
 import numpy as np
 import pytest
 
+from tinycomp.io import model_size
+from tinycomp.nn import parameter_counts
 from tinycomp.benchmarking.harness import (CONVENTIONS, REPEAT_TOLERANCE, BenchmarkResult, benchmark, compare, environment,
-                                           file_size, mcnemar, paired_difference_ci, parameter_counts, predict, ratio_ci,
+                                           mcnemar, paired_difference_ci, predict, ratio_ci,
                                            wilson_interval)
 from tinycomp.data import load_digits
 from tinycomp.distillation import tiny_cnn
@@ -135,10 +137,9 @@ def test_parameter_counts_for_every_kind_of_model():
     n = sum(p.data.size for p in model.parameters())
     assert parameter_counts(model) == (n, int(sum(np.count_nonzero(p.data) for p in model.parameters())))
     calib = load_digits('train')[0][:64]
-    from tinycomp.quantization.analysis import count_weights      # the layers' own count, written independently
     for variant in (quantize_static(model, calib), quantize_static(model, calib, weight_bits=4), quantize_dynamic(model)):
-        total, nonzero = parameter_counts(variant)
-        assert total == count_weights(variant) and 0.5 * total < nonzero <= total
+        total, nonzero = parameter_counts(variant)                # each stands for the float model's weights
+        assert total == n and 0.5 * total < nonzero <= total
     q = quantize_static(model, calib)
     assert parameter_counts(q)[1] == sum(int(np.count_nonzero(m.int_weight())) + int(np.count_nonzero(m.bias))
                                          for m in q.modules() if hasattr(m, 'int_weight'))
@@ -150,9 +151,9 @@ def test_parameter_counts_for_every_kind_of_model():
     assert parameter_counts(prune_channels(model, 0.5))[0] < 0.5 * n
 
 
-def test_file_size_is_the_saved_file(tiny, tmp_path):
+def test_model_size_is_the_saved_file(tiny, tmp_path):
     from tinycomp.io import save
-    assert file_size(tiny) == save(tiny, tmp_path / 'm.npz').stat().st_size
+    assert model_size(tiny) == save(tiny, tmp_path / 'm.npz').stat().st_size
 
 
 def test_environment_records_threads_and_versions():
@@ -174,7 +175,7 @@ def test_benchmark_measures_everything(tiny, digits):
         assert lat['min_s'] <= lat['visit_min_s'] <= lat['median_s'] <= lat['p90_s'] <= lat['p99_s']
         assert lat['throughput'] == pytest.approx(b / lat['median_s']) and lat['noisy'] == (lat['cv'] > 0.1)
         assert r.peak_memory_mb[b] > 0
-    assert r.params == 690 and r.file_bytes == file_size(tiny) and r.bits_per_param == pytest.approx(8 * r.file_bytes / 690)
+    assert r.params == 690 and r.file_bytes == model_size(tiny) and r.bits_per_param == pytest.approx(8 * r.file_bytes / 690)
     assert r.compliance['passed'] and r.settings['rounds'] == 3
     assert r.row(8) == dict(name='tiny', accuracy=r.accuracy, latency_ms=r.latency[8]['median_s'] * 1e3,
                             file_bytes=r.file_bytes, params=690)

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from tinycomp.benchmarking.compression import compress, compress_command, stage_table
-from tinycomp.benchmarking.harness import file_size, parameter_counts
+from tinycomp.io import model_size
+from tinycomp.models import resolve_model
+from tinycomp.nn import parameter_counts
 from tinycomp.benchmarking.stages import (DEFAULT_RECIPE, STAGES, Stage, check_data, load_recipe, make_context, model_kind,
-                                          resolve_model, run_stage, stages_help)
+                                          run_stage, stages_help)
 from tinycomp.benchmarking.sweep import default_configurations, example_budgets, recommend, strategy_sweep
 from tinycomp.cli import build_parser, command_modules, main
 from tinycomp.data import DataLoader, load_digits
@@ -226,7 +228,7 @@ def test_stage_results(model, ctx, quantized, sparse):
     masked = run_stage('prune', model, {'epochs': 0, 'amount': 0.8, 'sparse': False}, ctx)
     w = np.concatenate([m.weight.data.ravel() * m.weight_mask.ravel() for m in masked.modules() if hasattr(m, 'weight_mask')])
     assert abs((w == 0).mean() - 0.8) < 0.01
-    assert file_size(sparse) < file_size(model)                                   # stored sparse: the file shrinks
+    assert model_size(sparse) < model_size(model)                                   # stored sparse: the file shrinks
     # masked layers fold into int8 zeros; the masks survive fine-tuning
     tuned = run_stage('fine_tune', masked, {'epochs': 1}, ctx)
     assert parameter_counts(tuned)[1] == parameter_counts(masked)[1]
@@ -275,7 +277,7 @@ def test_teachers(model, ctx, tmp_path):
     a = run_stage('distill', model, {'epochs': 1, 'teacher': str(tmp_path / 't.npz')}, ctx)
     b = run_stage('distill', model, {'epochs': 1, 'teacher': 'original'}, ctx)
     assert same_state(snapshot(a), snapshot(b))                # the same teacher, from a file or from the context
-    with pytest.raises(TinycompError, match="no model '.*missing.npz': give a pretrained name"):
+    with pytest.raises(TinycompError, match="'.*missing.npz' is neither a shipped model"):
         run_stage('distill', model, {'epochs': 1, 'teacher': str(tmp_path / 'missing.npz')}, ctx)
 
 
@@ -322,7 +324,7 @@ def test_data_shape_mismatch_fails_before_training(model, monkeypatch):
 
 def test_missing_teacher_fails_before_training(model, quantized, data, tmp_path, monkeypatch):
     monkeypatch.setattr('tinycomp.benchmarking.compression.run_stage', lambda *a, **k: pytest.fail('a stage ran before the teacher was checked'))
-    with pytest.raises(TinycompError, match='no model'):
+    with pytest.raises(TinycompError, match='neither a shipped model'):
         compress(model, [{'fine_tune': {}}, {'distill': {'teacher': str(tmp_path / 'x.npz')}}], data, progress=False)
     with pytest.raises(TinycompError, match='layer .0. is a QuantStub'):      # the real model's kind is checked too
         compress(quantized, [{'fine_tune': {}}], data, progress=False)
@@ -434,9 +436,9 @@ def test_compress_without_measuring(model, data):
                             measure=False, progress=False)
     assert not rep.measured and rep.comparison is None
     assert rep.rows[2]['latency_ms'] is None and rep.rows[2]['speedup'] is None
-    assert rep.rows[2]['file_bytes'] == file_size(final)
+    assert rep.rows[2]['file_bytes'] == model_size(final)
     assert (rep.rows[2]['params'], rep.rows[2]['nonzero_params']) == parameter_counts(final)
-    assert math.isclose(rep.rows[2]['compression'], rep.rows[0]['file_bytes'] / file_size(final))
+    assert math.isclose(rep.rows[2]['compression'], rep.rows[0]['file_bytes'] / model_size(final))
     assert 'latency not measured' in rep.table()
     json.dumps(rep.to_dict())
     import matplotlib.pyplot as plt
@@ -509,7 +511,7 @@ def test_cli_bad_paths(model_file, tmp_path, capsys):
     assert main(['compress', 'default', '--model', str(model_file), '--out', str(tmp_path)]) == 2
     assert 'is a directory' in capsys.readouterr().err
     assert main(['compress', 'default', '--model', 'nomodel', '--out', str(tmp_path / 'o.npz')]) == 2
-    assert 'give a pretrained name' in capsys.readouterr().err
+    assert 'neither a shipped model' in capsys.readouterr().err
     assert main(['compress', str(tmp_path / 'missing.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz')]) == 2
     assert 'does not exist' in capsys.readouterr().err
     assert listing(tmp_path) == ['m.npz']

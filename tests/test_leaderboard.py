@@ -2,6 +2,7 @@
 acceptance and limits, the worker, the page, the CLI."""
 import json
 import math
+import os
 import sqlite3
 import subprocess
 import sys

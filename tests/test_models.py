@@ -7,7 +7,8 @@ import pytest
 
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.errors import TinycompError
-from tinycomp.models import (MODELS, TRAINING_CONFIGS, add_cli, count_parameters, digits_cnn, digits_cnn_wide,
+from tinycomp.nn import parameter_counts
+from tinycomp.models import (MODELS, TRAINING_CONFIGS, add_cli, digits_cnn, digits_cnn_wide,
                              digits_split_sizes, evaluate, fit, load_pretrained, plot_history, pretrained_info,
                              pretrained_path, train_command, train_reference)
 from tinycomp.optim import Adam
@@ -15,8 +16,8 @@ from tinycomp.tensor import manual_seed
 
 
 def test_parameter_counts():
-    assert count_parameters(digits_cnn()) == 9_930
-    assert 90_000 < count_parameters(digits_cnn_wide()) < 120_000
+    assert parameter_counts(digits_cnn()).parameters == 9_930
+    assert 90_000 < parameter_counts(digits_cnn_wide()).parameters < 120_000
 
 
 @pytest.mark.parametrize('name,target', [('digits_cnn', 0.97), ('digits_cnn_wide', 0.98)])

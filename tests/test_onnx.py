@@ -482,7 +482,7 @@ def test_cli_export_and_import(models, tmp_path, capsys):
     assert 'imported 14 layers' in capsys.readouterr().out
     back = load(tmp_path / 'w.npz').eval()
     with no_grad(): np.testing.assert_array_equal(back(Tensor(X_TEST)).data, models['wide'](Tensor(X_TEST)).data)
-    for argv, msg in ((['export', 'nope.npz', '--onnx', str(tmp_path / 'x.onnx')], 'no model file'),
+    for argv, msg in ((['export', 'nope.npz', '--onnx', str(tmp_path / 'x.onnx')], 'neither a shipped model'),
                       (['export', 'digits_cnn', '--onnx', str(tmp_path / 'x.onnx'), '--input-shape', '1,a'], 'integers'),
                       (['import', str(f), '--out', str(tmp_path / 'x.npz')], 'not an ONNX model'),
                       (['import', str(tmp_path / 'w.onnx'), '--out', str(tmp_path / 'x.npz'), '--max-bytes', '10'], 'allowed')):

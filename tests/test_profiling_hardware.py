@@ -12,7 +12,7 @@ from tinycomp.models import digits_cnn, load_pretrained
 from tinycomp.profiling import profile_model, roofline as roofline_from_namespace, time_fn
 from tinycomp.profiling.hardware import (attainable_flops, auto_adjust_batch_size, batch_sweep, bound,
                                          build_hardware_profile, estimate_batch_memory_mb, format_table, knee,
-                                         largest_batch, load_model, peak_memory_mb, ridge_point, roofline,
+                                         largest_batch, peak_memory_mb, ridge_point, roofline,
                                          thread_sweep, write_hardware_profile_artifacts)
 from tinycomp.profiling.timing import thread_info, usable_cores
 from tinycomp.io import save
@@ -227,9 +227,10 @@ def test_profile_command_sweeps_and_model_files(tmp_path, capsys):
     assert (tmp_path / 'b' / 'batch_sweep.png').exists() and 'knee' in capsys.readouterr().out
 
 
-def test_load_model(tmp_path):
-    assert type(load_model('digits_cnn')).__name__ == 'Sequential'
-    with pytest.raises(TinycompError, match='neither a model name'): load_model('nope')
+def test_resolve_model(tmp_path):
+    from tinycomp.models import resolve_model
+    assert type(resolve_model('digits_cnn')).__name__ == 'Sequential'
+    with pytest.raises(TinycompError, match='neither a shipped model'): resolve_model('nope')
 
 
 def _bad_cases(tmp_path):
@@ -240,7 +241,7 @@ def _bad_cases(tmp_path):
     a_file = tmp_path / 'file'
     a_file.write_text('')
     return [
-        (['no_such_model'], 'neither a model name'),
+        (['no_such_model'], 'neither a shipped model'),
         ([str(garbage)], 'garbage.npz'),
         ([str(text)], 'notes.txt'),
         ([str(tmp_path)], 'is a directory'),

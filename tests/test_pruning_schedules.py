@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from tinycomp.io import model_size
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.errors import TinycompError
 from tinycomp.models import digits_cnn, evaluate, load_pretrained
@@ -207,11 +208,11 @@ def test_apply_ratios():
 
 
 # --- compress_to_size ---------------------------------------------------------------------------------------------------
-def test_to_sparse_and_file_bytes():
+def test_to_sparse_and_model_size():
     model = load_pretrained('digits_cnn_wide')
     sp = S.to_sparse(prune(model, 0.9, 'global'))
     assert any(isinstance(m, (SparseConv2d, SparseLinear)) for m in sp.modules())
-    assert S.file_bytes(sp) <= 0.3 * S.file_bytes(model)
+    assert model_size(sp) <= 0.3 * model_size(model)
     X, y = load_digits('test')
     assert evaluate(sp, (X, y)).accuracy == pytest.approx(evaluate(prune(model, 0.9, 'global'), (X, y)).accuracy)
 
@@ -219,11 +220,11 @@ def test_to_sparse_and_file_bytes():
 def test_compress_to_size_meets_budget(val, small):
     model = load_pretrained('digits_cnn')
     before = snapshot(model)
-    full = S.file_bytes(model)
+    full = model_size(model)
     budget = int(0.4 * full)
     kw = dict(sparsities=(0.5, 0.9), channel_ratios=(0.5, 0.75))
     m, rep = S.compress_to_size(model, budget, val, **kw)
-    assert S.file_bytes(m) <= budget and rep['chosen']['file_bytes'] <= budget
+    assert model_size(m) <= budget and rep['chosen']['file_bytes'] <= budget
     fitting = [r for r in rep['candidates'] if r['file_bytes'] <= budget]
     assert len(fitting) >= 2 and len(fitting) < len(rep['candidates'])
     assert rep['chosen']['accuracy'] == max(r['accuracy'] for r in fitting)
@@ -236,20 +237,20 @@ def test_compress_to_size_meets_budget(val, small):
 
 def test_compress_to_size_searches_bit_width(val, small):
     model = load_pretrained('digits_cnn')
-    budget = int(0.3 * S.file_bytes(model))
+    budget = int(0.3 * model_size(model))
     m, rep = S.compress_to_size(model, budget, val, calibration=small[0][:64], sparsities=(), channel_ratios=(0.5,), bits=(4,))
     names = [r['name'] for r in rep['candidates']]
     assert names == ['float32', 'int4', 'channels 50%', 'channels 50% + int4']
     sizes = dict((r['name'], r['file_bytes']) for r in rep['candidates'])
     assert sizes['channels 50% + int4'] < sizes['int4'] < 0.3 * sizes['float32']
-    assert rep['chosen']['file_bytes'] <= budget and S.file_bytes(m) <= budget
+    assert rep['chosen']['file_bytes'] <= budget and model_size(m) <= budget
 
 
 def test_compress_to_size_with_fine_tune(val, small):
     model = load_pretrained('digits_cnn_wide')
-    budget = int(0.3 * S.file_bytes(model))
+    budget = int(0.3 * model_size(model))
     m, rep = S.compress_to_size(model, budget, val, train_loader=loader(small), sparsities=(0.9,), channel_ratios=(), epochs=1)
-    assert rep['chosen']['name'] == 'global 90% sparse' and S.file_bytes(m) <= budget
+    assert rep['chosen']['name'] == 'global 90% sparse' and model_size(m) <= budget
 
 
 def test_compress_to_size_impossible(val):

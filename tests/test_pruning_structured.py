@@ -8,7 +8,8 @@ from tinycomp import io as tio
 from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.conv import Conv2d
 from tinycomp.errors import TinycompError
-from tinycomp.models import count_parameters, digits_cnn, load_pretrained
+from tinycomp.models import digits_cnn, load_pretrained
+from tinycomp.nn import parameter_counts
 from tinycomp.nn.modules import Dropout, Flatten, Linear, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.pruning import structured as S
@@ -233,7 +234,7 @@ def test_pruned_equals_switched_off_wide_like(importance, ratio):
     assert same_state(snapshot(model), before)                     # input untouched
     x = np.random.default_rng(5).normal(size=(6, 1, 8, 8)).astype(np.float32)
     np.testing.assert_allclose(run(new, x), run(switched_off(model, plan), x), atol=1e-4)
-    assert count_parameters(new) < count_parameters(model)
+    assert parameter_counts(new).parameters < parameter_counts(model).parameters
     assert [m.out_channels for m in new if isinstance(m, Conv2d)] == [len(plan[0]), len(plan[3]), len(plan[7])]
     assert new[12].in_features == len(plan[7]) * 16 and new[14].out_features == 3
 
@@ -327,7 +328,7 @@ def test_file_shrinks_and_round_trips(tmp_path):
     new = S.prune_channels(model, 0.5)
     pa, pb = tio.save(model, tmp_path / 'a.npz'), tio.save(new, tmp_path / 'b.npz')
     assert pb.stat().st_size <= 0.55 * pa.stat().st_size
-    assert count_parameters(new) <= 0.45 * count_parameters(model)
+    assert parameter_counts(new).parameters <= 0.45 * parameter_counts(model).parameters
     back = tio.load(pb).eval()
     x = np.random.default_rng(0).normal(size=(5, 1, 8, 8)).astype(np.float32)
     np.testing.assert_array_equal(run(back, x), run(new.eval(), x))

@@ -4,7 +4,8 @@
 
 # %% ../nbs/93_io.ipynb #bab0688b
 from __future__ import annotations
-import contextlib, json, math, re, threading
+import json, math, re
+from io import BytesIO
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,11 @@ import importlib.util
 
 from .errors import ModelFileError, TinycompError
 from .files import CONTAINERS, LAYERS, atomic_write, write_npz
-from . import tensor as _tensor
-from .nn.modules import Sequential
+from .nn.modules import Sequential, skip_init
 
 # %% auto #0
-__all__ = ['FORMAT_NAME', 'FORMAT_VERSION', 'MANIFEST_KEY', 'MAX_UNPACKED_BYTES', 'describe', 'save', 'read_manifest', 'load']
+__all__ = ['FORMAT_NAME', 'FORMAT_VERSION', 'MANIFEST_KEY', 'MAX_UNPACKED_BYTES', 'describe', 'save', 'model_size',
+           'read_manifest', 'load']
 
 # %% ../nbs/93_io.ipynb #b7bce311
 FORMAT_NAME, FORMAT_VERSION = 'tinycomp-model', 2
@@ -76,9 +77,8 @@ def _all_array_names(model):
     for mod_name, m in model.named_modules():
         for n in list(m._parameters) + list(m._buffers): yield f"{mod_name}.{n}" if mod_name else n
 
-def save(model, path, metadata: dict | None = None) -> Path:
-    "Write `model` to `path` (a `.npz` model file) atomically; `metadata` is extra JSON kept in the manifest."
-    path = Path(path)
+def _file_arrays(model, metadata=None) -> dict:
+    "The arrays of `model`'s file, the manifest last: everything `save` writes, checked."
     tree = describe(model)
     arrays = {k: np.array(v, dtype=v.dtype.newbyteorder('='), order='C') for k, v in model.state_dict().items()}
     if sorted(arrays) != sorted(_all_array_names(model)):
@@ -93,8 +93,21 @@ def save(model, path, metadata: dict | None = None) -> Path:
     try: text = json.dumps(manifest, allow_nan=False)
     except (TypeError, ValueError) as e: raise ModelFileError(f"metadata is not JSON-safe: {e}") from e
     arrays[MANIFEST_KEY] = np.frombuffer(text.encode('utf-8'), dtype=np.uint8)
+    return arrays
+
+def save(model, path, metadata: dict | None = None) -> Path:
+    "Write `model` to `path` (a `.npz` model file) atomically; `metadata` is extra JSON kept in the manifest."
+    path = Path(path)
+    arrays = _file_arrays(model, metadata)
     with atomic_write(path) as f: write_npz(f, arrays)  # uncompressed, fixed time stamps: same model, same bytes
     return path
+
+def model_size(model) -> int:
+    """Bytes of the file `save` writes for `model` (written to memory, nothing on disk): the one measure of a model's
+    size in the course. `ModelFileError` for a model `save` cannot store."""
+    buf = BytesIO()
+    write_npz(buf, _file_arrays(model))
+    return buf.getbuffer().nbytes
 
 # %% ../nbs/93_io.ipynb #08d377c9
 _MAX_DEPTH, _MAX_MANIFEST = 64, 64 << 20
@@ -298,40 +311,6 @@ def read_manifest(path, max_bytes=None) -> tuple[dict, dict]:
     return manifest, arrays
 
 # %% ../nbs/93_io.ipynb #88b97b71
-_NO_INIT_LOCK = threading.Lock()
-_no_init_state = threading.local()
-_installed = []                                            # the stand-in while any thread is loading, and its users
-
-class _ZeroDraws:
-    "Stands in for tinycomp's generator while `load` builds layers: free zeros for the loading thread, else the real one."
-    def __init__(self, real): self._real = real
-    def _loading(self): return getattr(_no_init_state, 'depth', 0) > 0
-    def uniform(self, low=0.0, high=1.0, size=None):
-        if not self._loading(): return self._real.uniform(low, high, size)
-        return np.broadcast_to(np.float64(0.0), () if size is None else size)
-    def normal(self, loc=0.0, scale=1.0, size=None):
-        if not self._loading(): return self._real.normal(loc, scale, size)
-        return np.broadcast_to(np.float64(0.0), () if size is None else size)
-    def __getattr__(self, name): return getattr(self._real, name)
-
-@contextlib.contextmanager
-def _cheap_init():
-    "Within the block, layer constructors in this thread get zeros instead of random draws (see above)."
-    with _NO_INIT_LOCK:
-        if not isinstance(_tensor._rng, _ZeroDraws): _tensor._rng = _ZeroDraws(_tensor._rng)
-        fake = _tensor._rng
-        _installed.append(fake)
-    real = fake._real
-    state = real.bit_generator.state
-    _no_init_state.depth = getattr(_no_init_state, 'depth', 0) + 1
-    try: yield
-    finally:
-        _no_init_state.depth -= 1
-        real.bit_generator.state = state                     # a constructor may have drawn something else
-        with _NO_INIT_LOCK:
-            _installed.remove(fake)
-            if fake not in _installed and _tensor._rng is fake: _tensor._rng = fake._real   # (manual_seed may have replaced it)
-
 def _live_arrays(model) -> dict:
     "{dotted name: (module, 'p' or 'b', attribute name)} of every parameter and buffer, as `state_dict` names them."
     out = {}
@@ -374,7 +353,7 @@ def load(path, max_bytes=None):
     npz, manifest, heads = _open_checked(path, max_bytes)
     with npz:
         limit = _limit(max_bytes)
-        with _cheap_init(): model = _build(path, manifest['model'], budget=[limit, limit])
+        with skip_init(): model = _build(path, manifest['model'], budget=[limit, limit])
         live = _live_arrays(model)
         if set(live) != set(heads) or sorted(live) != sorted(_all_array_names(model)):
             raise _fail(path, f"the rebuilt model has arrays {sorted(live)}, the file holds {sorted(heads)}")

@@ -10,13 +10,13 @@ from ..nn.functional import _lazy_attributes
 
 _PARTS = {
     'harness': ('REPEAT_TOLERANCE', 'TIE_MARGIN', 'CONVENTIONS', 'predict', 'wilson_interval', 'mcnemar', 'ratio_ci',
-                'parameter_counts', 'file_size', 'environment', 'BenchmarkResult', 'benchmark', 'paired_difference_ci',
+                'environment', 'BenchmarkResult', 'benchmark', 'paired_difference_ci',
                 'Comparison', 'compare'),
     'evaluation': ('DEFAULT_OBJECTIVES', 'softmax', 'agreement', 'per_class_accuracy', 'critical_failures',
                    'confusion_matrix', 'expected_calibration_error', 'calibration_bins', 'plot_reliability',
                    'plot_confusion', 'plot_critical_failures', 'pareto_front', 'pareto_mask', 'knee_point', 'pareto_rows',
                    'knee_row', 'plot_pareto', 'evaluation_report', 'format_evaluation', 'evaluate_against'),
-    'stages': ('STAGES', 'DEFAULT_RECIPE', 'model_kind', 'run_stage', 'check_data', 'resolve_model', 'stages_help',
+    'stages': ('STAGES', 'DEFAULT_RECIPE', 'model_kind', 'run_stage', 'check_data', 'stages_help',
                'check_order', 'load_recipe'),
     'compression': ('stage_table', 'CompressionReport', 'compress', 'compress_command'),
     'sweep': ('default_configurations', 'SweepResult', 'strategy_sweep', 'recommend', 'strategies_benchmark')}

@@ -20,8 +20,11 @@ from ..files import write_json
 from ..models import MODELS, evaluate
 from ..io import save
 from ..profiling.hardware import format_table
-from .harness import compare, parameter_counts, file_size, environment, CONVENTIONS
-from .stages import (STAGES, model_kind, run_stage, make_context, check_data, resolve_model,
+from ..io import model_size
+from ..models import resolve_model
+from ..nn.modules import parameter_counts
+from .harness import compare, environment, CONVENTIONS
+from .stages import (STAGES, model_kind, run_stage, make_context, check_data,
                                           load_recipe, check_order, _teacher)
 
 # %% ../../nbs/07d_compression.ipynb #58dfff2a
@@ -175,7 +178,7 @@ def _report_rows(records, comparison, batch_sizes, models):
         meas = [dict(stage=r['stage'], accuracy=res[r['stage']].accuracy, file_bytes=res[r['stage']].file_bytes,
                      latency_s={b: res[r['stage']].latency[b]['median_s'] for b in batch_sizes}) for r in records]
     else:
-        meas = [dict(stage=r['stage'], accuracy=r['accuracy'], file_bytes=file_size(models[r['stage']]), latency_s={})
+        meas = [dict(stage=r['stage'], accuracy=r['accuracy'], file_bytes=model_size(models[r['stage']]), latency_s={})
                 for r in records]
     rows = []
     for rec, t in zip(records, stage_table(meas)):

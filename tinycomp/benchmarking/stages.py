@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['OBSERVERS', 'STAGES', 'DEFAULT_RECIPE', 'model_kind', 'Option', 'Stage', 'run_stage', 'make_context', 'check_data',
-           'resolve_model', 'stages_help', 'check_order', 'load_recipe']
+           'stages_help', 'check_order', 'load_recipe']
 
 # %% ../../nbs/07c_stages.ipynb #5770f988
 import copy
@@ -23,7 +23,7 @@ from ..tensor import Tensor, no_grad, manual_seed
 from ..nn import Module
 from ..optim import Adam, CosineAnnealingLR
 from ..data import DataLoader, load_digits
-from ..models import MODELS, fit, load_pretrained
+from ..models import MODELS, fit, load_pretrained, resolve_model
 from ..io import load
 from ..pruning import prune, prune_channels, prune_with_agp, to_sparse, make_permanent
 from ..distillation import distill, cache_teacher_logits
@@ -227,15 +227,6 @@ def _fine_tune(model, o, ctx):
     manual_seed(ctx['seed'])
     fit(new, _train_loader(ctx), ctx['data'].get('val'), o['epochs'], *_optimizer(new, o), progress=ctx['progress'])
     return new
-
-def resolve_model(spec):
-    "A model from `spec`: a Module (returned as is), a pretrained name ('digits_cnn_wide') or a model file path."
-    if isinstance(spec, Module): return spec
-    if isinstance(spec, (str, os.PathLike)):
-        if str(spec) in MODELS: return load_pretrained(str(spec))
-        if Path(spec).is_file(): return load(spec)
-    raise TinycompError(f"no model {str(spec)!r}: give a pretrained name ({', '.join(sorted(MODELS))}) or the path "
-                        "of a model file written by tinycomp.io.save")
 
 def _teacher(o, ctx):
     return ctx['original'] if o['teacher'] == 'original' else resolve_model(o['teacher'])

@@ -19,7 +19,8 @@ from ..files import write_json
 from ..profiling.hardware import format_table
 from .harness import compare, CONVENTIONS
 from .evaluation import pareto_front, knee_point, plot_pareto
-from .stages import check_data, load_recipe, resolve_model
+from ..models import resolve_model
+from .stages import check_data, load_recipe
 from .compression import compress, _output_path, _save_figure, _write_outputs
 
 # %% ../../nbs/07e_sweep.ipynb #027ab81f

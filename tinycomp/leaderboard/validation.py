@@ -13,7 +13,7 @@ from ..errors import ModelFileError, TinycompError
 from .. import io as tio
 from ..tensor import Tensor, no_grad
 from ..profiling.counting import profile_model
-from ..benchmarking.harness import parameter_counts
+from ..nn.modules import parameter_counts
 from ..benchmarking.stages import model_kind
 
 # %% auto #0

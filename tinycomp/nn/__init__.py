@@ -5,17 +5,18 @@
 # %% auto #0
 __all__ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout', 'functional',
            'calculate_gain', 'default_init_', 'kaiming_normal_', 'kaiming_uniform_', 'normal_', 'uniform_',
-           'xavier_normal_', 'xavier_uniform_', 'zeros_']
+           'xavier_normal_', 'xavier_uniform_', 'zeros_', 'parameter_counts', 'ParameterCounts', 'skip_init']
 
 # %% ../../nbs/94_nn.ipynb #bb429142
 from .modules import (
-    Dropout, Flatten, Linear, Module, Parameter, ReLU, Sequential, Sigmoid, Tanh,
-    calculate_gain, default_init_, kaiming_normal_, kaiming_uniform_, normal_, uniform_, xavier_normal_, xavier_uniform_, zeros_)
+    Dropout, Flatten, Linear, Module, Parameter, ParameterCounts, ReLU, Sequential, Sigmoid, Tanh,
+    calculate_gain, default_init_, kaiming_normal_, kaiming_uniform_, normal_, parameter_counts, skip_init, uniform_,
+    xavier_normal_, xavier_uniform_, zeros_)
 from . import functional
 
 _all_ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout', 'functional',
          'calculate_gain', 'default_init_', 'kaiming_normal_', 'kaiming_uniform_', 'normal_', 'uniform_',
-         'xavier_normal_', 'xavier_uniform_', 'zeros_']
+         'xavier_normal_', 'xavier_uniform_', 'zeros_', 'parameter_counts', 'ParameterCounts', 'skip_init']
 
 # %% ../../nbs/94_nn.ipynb #f901f556
 from .functional import _lazy_attributes

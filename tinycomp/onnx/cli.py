@@ -9,6 +9,7 @@ __all__ = ['CLI_ORDER', 'export_command', 'import_command', 'add_cli', 'add_benc
 from pathlib import Path
 
 from ..errors import TinycompError
+from ..models import resolve_model
 from .export import DEFAULT_OPSET, ONNX_EXTRA, QUANTIZED_FORMS, export_onnx, require_onnx
 from .importer import MAX_ONNX_BYTES, import_onnx
 from .runtime import onnx_benchmark
@@ -16,17 +17,9 @@ from .runtime import onnx_benchmark
 # %% ../../nbs/96d_onnx_cli.ipynb #be66af35
 CLI_ORDER = 47
 
-def _load_model(spec):
-    "A model from a tinycomp model file, or a pretrained model by name."
-    from tinycomp.io import load
-    from tinycomp.models import MODELS, load_pretrained
-    if Path(spec).is_file(): return load(spec)
-    if spec in MODELS: return load_pretrained(spec)
-    raise TinycompError(f"no model file {spec!r} (and it is not a pretrained name: {', '.join(sorted(MODELS))})")
-
 def export_command(model_file, onnx_path, input_shape='1,1,8,8', form='qdq', opset=DEFAULT_OPSET) -> Path:
     "`tinycomp export`: write the model in `model_file` to `onnx_path`; prints a summary."
-    model = _load_model(model_file)
+    model = resolve_model(model_file)
     name = Path(model_file).stem
     path = export_onnx(model, onnx_path, input_shape, opset, form, name=name)
     m = require_onnx().load(str(path))

@@ -14,9 +14,9 @@ from ..batchnorm import BatchNorm2d
 from ..conv import Conv2d
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
-from ..nn.modules import Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh
+from ..nn.modules import Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh, skip_init
 from .export import require_onnx
-from ..tensor import Tensor, default_generator, no_grad
+from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/96b_onnx_import.ipynb #7ea832ff
 MAX_ONNX_BYTES, MAX_TENSOR_ELEMENTS, MAX_NODES = 256 << 20, 1 << 26, 10_000
@@ -308,9 +308,7 @@ def import_onnx(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS
     onnx = require_onnx()
     path = Path(path)
     m, inferred = _read_model(path, max_bytes, max_elements)
-    rng = default_generator(); state = rng.bit_generator.state      # constructors draw random weights
-    try: model = _Importer(onnx, path, m, inferred).convert().eval()
-    finally: rng.bit_generator.state = state
+    with skip_init(): model = _Importer(onnx, path, m, inferred).convert().eval()   # weights come from the file
     inits = {t.name for t in m.graph.initializer}
     vi = [i for i in m.graph.input if i.name not in inits][0]
     in_dims = _value_dims(vi)

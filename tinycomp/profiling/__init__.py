@@ -14,7 +14,7 @@ _PARTS = {
     'counting': ('PROFILE_COLUMNS', 'Profile', 'activation_bytes', 'conv2d_flops', 'layer_cost', 'output_shape',
                  'profile_model', 'trace_events'),
     'hardware': ('attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound', 'build_hardware_profile',
-                 'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'load_model', 'machine_roof',
+                 'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'machine_roof',
                  'measure_bandwidth', 'measure_peak_flops', 'peak_memory_mb', 'plot_batch_sweep', 'plot_thread_sweep',
                  'ridge_point', 'roofline', 'thread_sweep', 'variant_table', 'write_hardware_profile_artifacts')}
 __getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.profiling.{part}" for part in _PARTS},

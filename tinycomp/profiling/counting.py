@@ -99,7 +99,7 @@ def _layer_flops(m, in_shape, out_shape) -> int:
     if isinstance(m, (Dropout, Flatten)): return 0
     raise TinycompError(f"layer_cost: no FLOP rule for layer type {type(m).__name__}")
 
-def _params(m) -> int: return int(sum(p.data.size for p in m.parameters()))
+def _params(m) -> int: return sum(x.weight_counts()[0] for x in m.modules())
 
 def _weight_bytes(m) -> int:
     "Bytes of the parameters and array buffers of `m` as stored (0-d bookkeeping such as a batch counter excluded)."

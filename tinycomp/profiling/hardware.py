@@ -6,7 +6,7 @@
 __all__ = ['CLI_ORDER', 'measure_peak_flops', 'measure_bandwidth', 'attainable_flops', 'ridge_point', 'bound', 'machine_roof',
            'roofline', 'format_table', 'variant_table', 'peak_memory_mb', 'estimate_batch_memory_mb', 'largest_batch',
            'auto_adjust_batch_size', 'knee', 'batch_sweep', 'plot_batch_sweep', 'thread_sweep', 'plot_thread_sweep',
-           'build_hardware_profile', 'write_hardware_profile_artifacts', 'load_model', 'add_cli']
+           'build_hardware_profile', 'write_hardware_profile_artifacts', 'add_cli']
 
 # %% ../../nbs/03c_hardware.ipynb #42d77a9d
 import argparse
@@ -417,19 +417,6 @@ def _shape_arg(value) -> tuple:
         raise argparse.ArgumentTypeError(f"must be positive whole numbers separated by commas, like 1,8,8; got {value!r}")
     return shape
 
-def load_model(name_or_path):
-    "A pretrained model by name (`tinycomp.models.MODELS`) or a model file saved with `tinycomp.io.save`."
-    from tinycomp.io import load
-    from tinycomp.models import MODELS, load_pretrained
-    if name_or_path in MODELS: return load_pretrained(name_or_path)
-    path = Path(name_or_path)
-    if not path.exists():
-        raise TinycompError(f"{name_or_path!r} is neither a model name ({', '.join(sorted(MODELS))}) nor an existing file")
-    if path.is_dir(): raise TinycompError(f"{path} is a directory, not a model file")
-    try: return load(path).eval()
-    except TinycompError: raise
-    except Exception as e: raise TinycompError(f"{path}: cannot read it as a tinycomp model file ({type(e).__name__}: {e})") from None
-
 def _inputs(shape, batch):
     if tuple(shape) == (1, 8, 8):
         from tinycomp.data import load_digits
@@ -442,7 +429,8 @@ _LAYER_COLUMNS = [('name', 'layer', ''), ('type', 'type', ''), ('flops', 'FLOPs'
 def _run_profile(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir(): raise TinycompError(f"--out {out} exists and is not a directory")
-    model = load_model(args.model)
+    from tinycomp.models import resolve_model
+    model = resolve_model(args.model)
     before = thread_info()
     try: return _profile_command(args, model, out, set_threads(args.threads) if args.threads is not None else before)
     finally:

@@ -15,7 +15,7 @@ from ..conv import Conv2d, conv2d
 from ..errors import ShapeError, TinycompError
 from ..files import register_layer
 from ..nn import functional as F
-from ..nn.modules import Linear, Module
+from ..nn.modules import Linear, Module, skip_init
 from ..tensor import Tensor, default_generator
 
 # %% ../../nbs/05a_pruning.ipynb #6c1de9f5
@@ -208,13 +208,6 @@ def _check_mask(mask, shape, where='mask'):
                             f"{a[~np.isin(a, (0, 1))].ravel()[:3].tolist()}")
     return a.astype(np.float32)
 
-def _quiet_build(cls, config):
-    "`cls(**config)` without drawing from tinycomp's default generator (its random init is overwritten anyway)."
-    rng = default_generator()
-    state = rng.bit_generator.state
-    try: return cls(**config)
-    finally: rng.bit_generator.state = state
-
 class _Masked:
     "What MaskedConv2d and MaskedLinear share: the mask buffer, masked weights, checks and conversions."
     _dense = None                                     # the plain layer type this one masks
@@ -235,6 +228,12 @@ class _Masked:
         "W * M as an autograd operation: pruned weights get a zero gradient."
         return self.weight * Tensor(self.weight_mask)
 
+    def weight_counts(self) -> tuple:
+        "(values, nonzeros) of the weights as the mask leaves them, and the bias."
+        w = self.weight.data * self.weight_mask
+        b = self.bias.data if self.bias is not None else np.zeros(0)
+        return w.size + b.size, int(np.count_nonzero(w)) + int(np.count_nonzero(b))
+
     def check_state(self):
         m = self._buffers['weight_mask']
         if m.dtype != np.float32: raise TinycompError(f"weight_mask must be float32, got {m.dtype}")
@@ -245,14 +244,14 @@ class _Masked:
         "A masked copy of the plain layer `layer` (a `_dense` instance) with `mask` (default: all ones)."
         if type(layer) is not cls._dense:
             raise TinycompError(f"{cls.__name__}.from_dense needs a {cls._dense.__name__}, got a {type(layer).__name__}")
-        new = _quiet_build(cls, layer.config())
+        with skip_init(): new = cls(**layer.config())
         new.load_state_dict({**layer.state_dict(), 'weight_mask': np.ones(layer.weight.shape, np.float32)})
         new.train(layer.training)
         return new.set_mask(np.ones(layer.weight.shape, np.float32) if mask is None else mask)
 
     def to_dense(self):
         "A plain layer with the mask folded in (W * M): what `make_permanent` puts in its place."
-        plain = _quiet_build(self._dense, self.config())
+        with skip_init(): plain = self._dense(**self.config())
         state = self.state_dict(); mask = state.pop('weight_mask')
         state['weight'] = state['weight'] * mask
         plain.load_state_dict(state)

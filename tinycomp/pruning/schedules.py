@@ -4,9 +4,8 @@
 
 # %% auto #0
 __all__ = ['CLI_ORDER', 'agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune',
-           'sensitivity_scan', 'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'file_bytes',
-           'compress_to_size', 'stored_weights', 'pruned_models', 'model_table', 'acceptance', 'prune_benchmark',
-           'add_bench_cli']
+           'sensitivity_scan', 'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'compress_to_size',
+           'pruned_models', 'model_table', 'acceptance', 'prune_benchmark', 'add_bench_cli']
 
 # %% ../../nbs/05d_schedules.ipynb #e8f06be6
 import copy
@@ -23,7 +22,9 @@ from ..tensor import Tensor, no_grad, manual_seed
 from ..nn import Module, Conv2d, Linear
 from ..optim import Adam
 from ..data import DataLoader, load_digits
-from ..models import evaluate, fit, train_epochs, count_parameters, load_pretrained
+from ..models import evaluate, fit, train_epochs, load_pretrained
+from ..io import model_size
+from ..nn.modules import parameter_counts
 from ..nn.functional import cross_entropy
 from .masks import MaskedConv2d, MaskedLinear, prune, make_permanent, prunable_layers
 from .structured import prune_channels
@@ -292,11 +293,6 @@ def to_sparse(model, max_density=0.5):
         holder._modules[last] = new
     return out.eval()
 
-def file_bytes(model) -> int:
-    "Bytes of the file `tinycomp.io.save` writes for `model`."
-    from tinycomp.io import save
-    with tempfile.TemporaryDirectory() as d: return save(model, Path(d) / 'm.npz').stat().st_size
-
 def _fine_tune(model, train_loader, epochs, seed, lr=1e-3):
     m = copy.deepcopy(model); manual_seed(seed)
     fit(m, train_loader, epochs=epochs, optimizer=Adam(m.parameters(), lr=lr), progress=False)
@@ -330,7 +326,7 @@ def compress_to_size(model, target_bytes, data, calibration=None, train_loader=N
                               (lambda r=r, b=b: quant(_fine_tune(prune_channels(model, r), train_loader, epochs, seed), b))))
     report, best = [], None
     for i, (name, build, tuned) in enumerate(cands):
-        m = build(); size = file_bytes(m)
+        m = build(); size = model_size(m)
         row = dict(name=name, file_bytes=size, accuracy=None)
         if size <= target_bytes:
             if train_loader is not None and tuned is not None: m = tuned()
@@ -348,14 +344,6 @@ def compress_to_size(model, target_bytes, data, calibration=None, train_loader=N
 
 # %% ../../nbs/05d_schedules.ipynb #6ec947f5
 CLI_ORDER = 46
-
-def stored_weights(model) -> int:
-    "Parameters of `model` plus the nonzeros and biases its sparse layers store (their weights are buffers)."
-    n = count_parameters(model)
-    for m in model.modules():
-        if isinstance(m, (SparseConv2d, SparseLinear)):
-            n += int(m.nnz) + int(np.size(m._buffers['bias'])) if 'bias' in m._buffers else int(m.nnz)
-    return n
 
 def _time_models(models, rows, X, repeats, passes=2):
     from tinycomp.profiling.timing import time_fn
@@ -382,7 +370,7 @@ def pruned_models(structured_epochs=3, agp_epochs=6, seed=0) -> dict:
 def model_table(models, repeats=20) -> list:
     "Rows (name, accuracy, weights, file_bytes, latency {1, 64}) of each model on the digits test split, timed in one run."
     X, y = load_digits('test')
-    rows = [dict(name=n, accuracy=evaluate(m, (X, y)).accuracy, weights=stored_weights(m), file_bytes=file_bytes(m),
+    rows = [dict(name=n, accuracy=evaluate(m, (X, y)).accuracy, weights=parameter_counts(m).nonzero, file_bytes=model_size(m),
                  latency={}) for n, m in models.items()]
     _time_models(list(models.values()), rows, X, repeats)
     return rows

@@ -230,6 +230,11 @@ class _SparseWeighted(Module):
 
     def density(self): return self.nnz / max(1, self._rows * self._cols)
 
+    def weight_counts(self) -> tuple:
+        "(values, nonzeros) of the dense weight matrix this layer stands for, and the bias."
+        b = self._buffers.get('bias', np.zeros(0))
+        return self._rows * self._cols + b.size, int(np.count_nonzero(self._buffers['data'])) + int(np.count_nonzero(b))
+
     def check_state(self):
         b = self._buffers
         check_csr(b['indptr'], b['indices'], b['data'], (self._rows, self._cols))

@@ -19,7 +19,7 @@ _PARTS = {
     'int8_conv': ('pack_conv_weights', 'quantized_conv2d', 'quantized_linear'),
     'layers': ('DeQuantStub', 'DynamicQuantizedLinear', 'QuantStub', 'QuantizedAdaptiveAvgPool2d', 'QuantizedAvgPool2d',
                'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d', 'QuantizedReLU'),
-    'models': ('convert', 'model_bytes', 'prepare_qat', 'quantize_dynamic', 'quantize_static'),
+    'models': ('convert', 'prepare_qat', 'quantize_dynamic', 'quantize_static'),
     'analysis': ('layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'plot_quantization_histograms', 'precision_plan',
                  'quant_benchmark', 'quantization_report', 'simulate')}
 __getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.quantization.{part}" for part in _PARTS},

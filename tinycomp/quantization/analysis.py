@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['CLI_ORDER', 'FixedFakeQuantize', 'simulate', 'int8_output', 'lsb_agreement', 'match_ops', 'QuantizationReport',
-           'quantization_report', 'plot_quantization_histograms', 'count_weights', 'layer_sensitivity',
-           'precision_plan', 'mixed_precision', 'measure_model', 'int8_conv_benchmark', 'format_benchmark',
-           'quant_benchmark', 'add_bench_cli']
+           'quantization_report', 'plot_quantization_histograms', 'layer_sensitivity', 'precision_plan',
+           'mixed_precision', 'measure_model', 'int8_conv_benchmark', 'format_benchmark', 'quant_benchmark',
+           'add_bench_cli']
 
 # %% ../../nbs/04g_quantization_analysis.ipynb #29774706
 import copy
@@ -23,8 +23,9 @@ from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..data import load_digits
 from ..errors import TinycompError
 from ..files import write_json
-from ..nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential
-from ..tensor import Tensor, as_tensor, default_generator, no_grad
+from ..io import model_size
+from ..nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, parameter_counts, skip_init
+from ..tensor import Tensor, as_tensor, no_grad
 from ..conv import CONV_BENCH_SHAPES, conv2d_forward
 from ..profiling.timing import optional_torch, set_threads, thread_info, time_fn
 from .core import dequantize, fake_quantize, quantize_multiplier, sqnr
@@ -37,7 +38,7 @@ from .layers import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear
 from .kernels import quantized_conv2d_naive
 from .int8_conv import _LEVELS, KERNEL_LEVELS, _pick_level, kernel_name, pack_conv_weights, quantized_conv2d
 from .models import (_WEIGHTED, _check_model, _named_leaves, _run_op, build_quantized,
-                                          calibrate, model_bytes, quantization_plan, quantize_static)
+                                          calibrate, quantization_plan, quantize_static)
 
 # %% ../../nbs/04g_quantization_analysis.ipynb #50c20a95
 class FixedFakeQuantize(Module):
@@ -62,9 +63,7 @@ def _sim_weighted(m):
 def simulate(qmodel) -> Sequential:
     """The fake-quant float model with exactly `qmodel`'s integers and qparams (float in, float out). Its outputs,
     divided by the output scale, match the integer model's int8 outputs before the DeQuantStub within 1 LSB."""
-    rng = default_generator(); state = rng.bit_generator.state      # building float layers draws random weights
-    try: return _simulate(qmodel)
-    finally: rng.bit_generator.state = state                     # do not disturb seeded runs
+    with skip_init(): return _simulate(qmodel)                  # the float layers get qmodel's weights
 
 def _simulate(qmodel):
     layers, qp = [], None
@@ -216,15 +215,6 @@ def plot_quantization_histograms(model, qmodel, x, bins=80, path=None):
     return fig
 
 # %% ../../nbs/04g_quantization_analysis.ipynb #05d34095
-def count_weights(model) -> int:
-    "Weights and biases of a float, quantized or mixed model (packed int4 weights counted unpacked)."
-    n = 0
-    for m in model.modules():
-        n += sum(p.data.size for p in m._parameters.values() if p is not None)
-        if isinstance(m, _QuantizedWeighted): n += int(np.prod(m.weight_shape)) + m.bias.size
-        elif isinstance(m, DynamicQuantizedLinear): n += m.weight.size + (m.bias.size if 'bias' in m._buffers else 0)
-    return int(n)
-
 def _eval_data(data):
     if isinstance(data, tuple) and len(data) == 2: return data[0], data[1]
     raise TinycompError("data must be an (X, y) pair of arrays")
@@ -276,11 +266,11 @@ def mixed_precision(model, calibration, data, size_budget_bytes, observer=MinMax
     ctx = _prepare(model, calibration, observer)
     ops, in_qp, out_qp = ctx
     weighted = [i for i, op in enumerate(ops) if op['kind'] in _WEIGHTED]
-    size = lambda choice: model_bytes(build_quantized(ops, in_qp, out_qp, choice, per_channel))
+    size = lambda choice: model_size(build_quantized(ops, in_qp, out_qp, choice, per_channel))
     smallest = size([4] * len(weighted))
     if smallest > size_budget_bytes:
         raise TinycompError(f"the size budget of {size_budget_bytes} bytes is too small: even all-int4 weights need "
-                            f"{smallest} bytes (all-int8: {size([8] * len(weighted))}, float32: {model_bytes(model)}); "
+                            f"{smallest} bytes (all-int8: {size([8] * len(weighted))}, float32: {model_size(model)}); "
                             "raise the budget or use a smaller model")
     rows = sensitivity or layer_sensitivity(model, calibration, data, (8, 4), observer, per_channel, _ctx=ctx)
     table = {(r['op'], r['bits']): r for r in rows}
@@ -309,8 +299,8 @@ def measure_model(model, test, path, repeats=20, batches=(1, 64)) -> dict:
     from tinycomp.profiling.timing import time_fn
     X, y = test
     path = save(model, path)
-    row = dict(accuracy=_accuracy(model, X, y), weights=count_weights(model), file_bytes=path.stat().st_size,
-               array_bytes=model_bytes(model), latency={})
+    row = dict(accuracy=_accuracy(model, X, y), weights=parameter_counts(model).parameters, file_bytes=path.stat().st_size,
+               array_bytes=sum(a.nbytes for a in model.state_dict().values()), latency={})   # arrays alone, no headers
     model.eval()
     for b in batches:
         xb = Tensor(np.ascontiguousarray(X[:b]))

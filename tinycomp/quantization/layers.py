@@ -16,8 +16,8 @@ from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
 from ..files import register_layer
 from ..nn.functional import linear
-from ..nn.modules import Linear, Module, ReLU
-from ..tensor import Tensor, as_tensor, default_generator
+from ..nn.modules import Linear, Module, ReLU, skip_init
+from ..tensor import Tensor, as_tensor
 from .core import (calculate_qparams, dequantize, pack_int4, per_channel_qparams, qrange,
                                         quantize_multiplier, quantize_per_channel, quantize_per_tensor, unpack_int4)
 from ..profiling.counting import conv2d_flops, layer_cost
@@ -212,6 +212,11 @@ class _QuantizedWeighted(Module):
             mult, shift = requant_multipliers(self.input_scale, np.broadcast_to(ws, (self.weight_shape[0],)), self.output_scale)
             object.__setattr__(self, '_requant', (ws, mult, shift))
         return self.__dict__['_requant'][1:]
+
+    def weight_counts(self) -> tuple:
+        "(values, nonzeros) of the weights (int4 unpacked: one value a weight) and the int32 bias."
+        w, b = self.int_weight(), self._buffers['bias']
+        return w.size + b.size, int(np.count_nonzero(w)) + int(np.count_nonzero(b))
 
     def int_weight(self) -> np.ndarray:
         "The weight values as int8 (int4 weights unpacked, once per loaded array)."
@@ -456,9 +461,7 @@ def _float32(layer, name):
     return None if b is None else Tensor(b.astype(np.float32))
 
 def _half_from_float(cls, float_layer):
-    rng = default_generator(); state = rng.bit_generator.state      # the constructor draws random weights
-    try: layer = cls(**float_layer.config())
-    finally: rng.bit_generator.state = state
+    with skip_init(): layer = cls(**float_layer.config())       # the weights come from `float_layer`
     return _halve(layer, float_layer)
 
 @register_layer
