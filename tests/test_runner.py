@@ -4,8 +4,6 @@ the grader's failure, and what a check counts (oracle calls) is counted by the p
 import copy, json, subprocess, sys, time
 from pathlib import Path
 
-import numpy as np
-import pytest
 
 from tinycomp.course.grading import format_report, grade_notebook
 from tinycomp.course.notebooks import read_notebook

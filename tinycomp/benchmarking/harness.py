@@ -12,10 +12,8 @@ import gc
 import math
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numba
 import numpy as np

@@ -23,8 +23,7 @@ from ..tensor import Tensor, no_grad, manual_seed
 from ..nn import Module
 from ..optim import Adam, CosineAnnealingLR
 from ..data import DataLoader, load_digits
-from ..models import MODELS, fit, load_pretrained, resolve_model
-from ..io import load
+from ..models import fit, resolve_model
 from ..pruning import prune, prune_channels, prune_with_agp, to_sparse, make_permanent
 from ..distillation import distill, cache_teacher_logits
 from ..quantization import (quantize_static, quantize_dynamic, MinMaxObserver, MovingAverageMinMaxObserver,

@@ -8,7 +8,6 @@ __all__ = ['CLI_ORDER', 'export_command', 'import_command', 'add_cli', 'add_benc
 # %% ../../nbs/96d_onnx_cli.ipynb #2d333213
 from pathlib import Path
 
-from ..errors import TinycompError
 from ..models import resolve_model
 from .export import DEFAULT_OPSET, ONNX_EXTRA, QUANTIZED_FORMS, export_onnx, require_onnx
 from .importer import MAX_ONNX_BYTES, import_onnx

@@ -10,9 +10,7 @@ __all__ = ['CLI_ORDER', 'agp_sparsity', 'prune_with_agp', 'rewind', 'movement_sc
 # %% ../../nbs/05d_schedules.ipynb #e8f06be6
 import copy
 import platform
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 

@@ -12,7 +12,7 @@ from numba import carray, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..conv import (CONV_BENCH_SHAPES, _chunks, _config_pair, _geometry, _im2col_chunk, _pair, _scatter_out,
+from ..conv import (_chunks, _config_pair, _geometry, _im2col_chunk, _pair, _scatter_out,
                            conv2d_forward, njit)
 from ..errors import ShapeError, TinycompError
 from ..files import register_layer
