@@ -183,6 +183,11 @@ def test_a_row_the_machine_was_too_busy_for_is_marked_and_graded_again(tmp_path,
     from tinycomp.course import runner
     d = tmp_path / 'class'
     copy_solutions(d / 'alice')
+    nb = json.loads((d / 'alice' / SOLUTIONS[0].name).read_text())     # importing takes 0.5 s of CPU: longer than a poll,
+    nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,   # so the budget is
+                        'source': '#| export\nimport time as _t\n_t0 = _t.process_time()\n'             # always consulted
+                                  'while _t.process_time() - _t0 < 0.5: pass'})
+    (d / 'alice' / SOLUTIONS[0].name).write_text(json.dumps(nb))
     out = tmp_path / 'gradebook.csv'
     monkeypatch.setattr(runner.Budget, 'spent', lambda self: 'starved')        # every step: the machine gave no CPU
     assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
