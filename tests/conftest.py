@@ -1,4 +1,4 @@
-"""Shared test switches. Tests that need an OS capability may skip only on a machine without it: the sandboxed grader
+"""Shared test switches and markers. Tests that need an OS capability may skip only on a machine without it: the sandboxed grader
 (bubblewrap, and cgroups for the memory-limit tests), QEMU's user-mode emulator (ONNX Runtime on an emulated
 AVX2-only CPU) and Chromium (the leaderboard page in a headless browser); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI,
 which installs them) a missing one is a failure."""
@@ -43,3 +43,16 @@ def chromium():
     path = os.environ.get('TINYCOMP_CHROMIUM') or shutil.which('chromium') or shutil.which('chromium-browser')
     _need('headless Chromium (apt-get install chromium)', path, 'no chromium on PATH (or set TINYCOMP_CHROMIUM)')
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers that follow from what a test uses: Chromium makes it `browser`, QEMU `emulated`, the sandbox `grader`,
+    and each of these `slow`; a test parametrised by a learner module's `key` belongs to that module."""
+    for item in items:
+        uses = set(getattr(item, 'fixturenames', ()))
+        if 'chromium' in uses: item.add_marker('browser')
+        if 'qemu_x86' in uses: item.add_marker('emulated')
+        if uses & {'sandbox', 'tree_limit'}: item.add_marker('grader')
+        key = getattr(getattr(item, 'callspec', None), 'params', {}).get('key')
+        if isinstance(key, str) and key.isdigit(): item.add_marker(f'module{key}')
+        if any(item.get_closest_marker(m) for m in ('browser', 'emulated', 'grader')): item.add_marker('slow')

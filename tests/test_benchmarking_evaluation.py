@@ -9,6 +9,8 @@ import matplotlib.pyplot as plt
 from tinycomp.benchmarking import evaluation as E
 from tinycomp.errors import ShapeError, TinycompError
 
+pytestmark = pytest.mark.module07
+
 
 @pytest.fixture(autouse=True)
 def _close_figures():

@@ -19,6 +19,8 @@ from tinycomp.models import load_pretrained
 from tinycomp.nn.modules import Module
 from tinycomp.tensor import manual_seed
 
+pytestmark = pytest.mark.module07
+
 FAST = dict(rounds=2, calls=2, memory=False)
 
 

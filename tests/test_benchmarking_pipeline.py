@@ -24,6 +24,8 @@ from tinycomp.models import evaluate, fit
 from tinycomp.optim import Adam
 from tinycomp.tensor import manual_seed
 
+pytestmark = pytest.mark.module07
+
 FAST = dict(rounds=2, calls=1)
 
 

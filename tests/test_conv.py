@@ -21,6 +21,8 @@ from tinycomp.pooling import (AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, adaptive_
                               max_pool2d_backward)
 from tinycomp.tensor import Tensor, gradcheck
 
+pytestmark = pytest.mark.module02
+
 
 def ref_conv(x, w, b, stride, padding, dilation, groups):
     "Float64 reference: explicit loops over the kernel, vectorised over pixels."

@@ -219,6 +219,7 @@ def grade_cells(demo, prepared, tmp_path, cells, **kw):
 
 def pts(r): return {e.name: e.points for e in r.exercises}
 
+@pytest.mark.grader
 def test_solution_full_marks_and_student_zero(demo, prepared, tmp_path):
     r = grade_cells(demo, prepared, tmp_path, SOLUTION_CELLS)
     assert pts(r) == {'double': 2, 'Acc.add': 2, 'ranks': 1} and r.passed and r.points == r.possible == 5
@@ -228,6 +229,7 @@ def test_solution_full_marks_and_student_zero(demo, prepared, tmp_path):
     text = format_report(stu)
     assert '09.1' in text and '0/2' in text and 'todo' in text and '0/5' in text
 
+@pytest.mark.grader
 def test_wrong_value_is_diagnosed_with_expected_got_and_error(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    return 2.0 * x + (x > 0)')
     r = grade_cells(demo, prepared, tmp_path, cells)
@@ -235,6 +237,7 @@ def test_wrong_value_is_diagnosed_with_expected_got_and_error(demo, prepared, tm
     assert e.points == 0 and e.status == 'fail' and pts(r)['Acc.add'] == 2 and pts(r)['ranks'] == 1
     assert 'expected' in e.diagnosis and 'got' in e.diagnosis and 'max abs error 1' in e.diagnosis and 'x(' in e.diagnosis
 
+@pytest.mark.grader
 def test_wrong_shape_and_dtype(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    return (2.0 * x).ravel()')
     cells = replace_cell(cells, 7, '#| export\ndef ranks(x):\n    return np.argsort(np.argsort(x)).astype(float)')
@@ -243,6 +246,7 @@ def test_wrong_shape_and_dtype(demo, prepared, tmp_path):
     assert by['double'].points == 0 and 'expected shape' in by['double'].diagnosis
     assert by['ranks'].points == 0 and 'ranks' in by['ranks'].name and by['Acc.add'].points == 2
 
+@pytest.mark.grader
 def test_exception_names_the_learners_line(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 7, '#| export\ndef ranks(x):\n    y = x + 1\n    return y[99]')
     r = grade_cells(demo, prepared, tmp_path, cells)
@@ -250,12 +254,14 @@ def test_exception_names_the_learners_line(demo, prepared, tmp_path):
     assert e.status == 'error' and 'IndexError' in e.diagnosis
     assert '(in nb.ipynb, the cell defining `ranks`, line 4: `return y[99]`)' in e.diagnosis
 
+@pytest.mark.grader
 def test_timeout_in_one_exercise_others_still_graded(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    while True: pass')
     r = grade_cells(demo, prepared, tmp_path, cells)
     assert pts(r) == {'double': 0, 'Acc.add': 2, 'ranks': 1}
     assert r.exercises[0].status == 'timeout' and 'timed out after 5 s' in r.exercises[0].diagnosis
 
+@pytest.mark.grader
 def test_crash_in_one_exercise_costs_only_that_exercise(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 6, '#| export\nimport os\nclass Acc:\n    def __init__(self, s): os._exit(3)')
     cells = replace_cell(cells, 7, '#| export\nimport sys\ndef ranks(x): sys.exit(0)')
@@ -263,6 +269,7 @@ def test_crash_in_one_exercise_costs_only_that_exercise(demo, prepared, tmp_path
     assert pts(r) == {'double': 2, 'Acc.add': 0, 'ranks': 0}
     assert 'exited (code 3)' in r.exercises[1].diagnosis and 'SystemExit' in r.exercises[2].diagnosis
 
+@pytest.mark.grader
 def test_cheats_gain_nothing(demo, prepared, tmp_path):
     patch = ('#| export\nimport builtins, numpy, numpy.testing\nnumpy.allclose = lambda *a, **k: True\n'
              'numpy.testing.assert_allclose = lambda *a, **k: None\nbuiltins.isinstance = lambda *a: True\n'
@@ -278,6 +285,7 @@ def test_cheats_gain_nothing(demo, prepared, tmp_path):
     r = grade_cells(demo, prepared, tmp_path, replace_cell(SOLUTION_CELLS, 4, hard))
     assert pts(r)['double'] == 0 and 'fresh' in r.exercises[0].diagnosis and pts(r)['ranks'] == 1
 
+@pytest.mark.grader
 def test_reference_module_cannot_be_imported(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\nimport importlib\ndouble = importlib.import_module("tc_demo_ref").double')
     r = grade_cells(demo, prepared, tmp_path, cells)
@@ -290,6 +298,7 @@ def test_reference_module_cannot_be_imported(demo, prepared, tmp_path):
 
 # ---------------------------------------------------------------- gradebook
 
+@pytest.mark.grader
 def test_gradebook_survives_good_broken_and_hostile_notebooks(demo, tmp_path):
     d = tmp_path / 'class'; d.mkdir()
     write_nb(d / 'alice.ipynb', SOLUTION_CELLS)
@@ -316,6 +325,7 @@ def test_gradebook_survives_good_broken_and_hostile_notebooks(demo, tmp_path):
 
 # ---------------------------------------------------------------- progress and CLI
 
+@pytest.mark.grader
 def test_progress_is_recorded_per_notebook_and_shown(demo, prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
     good = grade_cells(demo, prepared, tmp_path, SOLUTION_CELLS)
@@ -351,6 +361,7 @@ def test_cli_registers_subcommands(monkeypatch, tmp_path, capsys):
 
 # ---------------------------------------------------------------- diagnoses a learner can act on
 
+@pytest.mark.grader
 def test_syntax_error_names_the_learners_cell_not_a_temporary_file(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 7, '#| export\ndef ranks(x):\n    return np.argsort(x kind="stable")')
     r = grade_cells(demo, prepared, tmp_path, cells)
@@ -359,11 +370,13 @@ def test_syntax_error_names_the_learners_cell_not_a_temporary_file(demo, prepare
     text = format_report(r)
     assert text.count('error') <= 2 and 'nothing can be graded until this is fixed' in text   # one line, not a row per exercise
 
+@pytest.mark.grader
 def test_missing_return_is_named(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    y = 2.0 * x')
     e = grade_cells(demo, prepared, tmp_path, cells).exercises[0]
     assert e.points == 0 and '`double` returned None: is a `return` missing?' in e.diagnosis
 
+@pytest.mark.grader
 def test_every_failing_check_is_shown_with_its_inputs(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    return 3.0 * x')
     r = grade_cells(demo, prepared, tmp_path, cells)
@@ -375,6 +388,7 @@ def test_every_failing_check_is_shown_with_its_inputs(demo, prepared, tmp_path):
     assert {(c['check'], c['case']) for c in rep['cases']} == {('small', 'fixed'), ('small', 'fresh'), ('again', 'fixed'), ('again', 'fresh')}
     assert all(len(c['inputs']['x']['shape']) == 2 and c['inputs']['x']['dtype'] == 'float32' for c in rep['cases'])
 
+@pytest.mark.grader
 def test_numba_typing_error_shows_its_cause_and_the_learners_line(demo, prepared, tmp_path):
     src = ('#| export\nfrom numba import njit\n@njit\ndef _twice(x):\n    out = np.empty_like(x)\n'
            '    for i in range(x.shape[0]):\n        out[i] = x[i] * "2"\n    return out\n'
@@ -400,6 +414,7 @@ def test_unreadable_notebook_is_one_line_and_records_nothing(monkeypatch, tmp_pa
     assert not (tmp_path / 'home' / 'progress.json').exists()
 
 
+@pytest.mark.grader
 def test_full_marks_say_what_comes_next(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
     root = Path(__file__).resolve().parent.parent
@@ -414,6 +429,7 @@ def test_full_marks_say_what_comes_next(monkeypatch, tmp_path, capsys):
     assert entry['points'] == rep['possible']
 
 
+@pytest.mark.grader
 def test_the_learners_folder_is_graded_by_default(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
     root = Path(__file__).resolve().parent.parent
@@ -428,6 +444,7 @@ def test_the_learners_folder_is_graded_by_default(monkeypatch, tmp_path, capsys)
     assert '01 tensor' in out and '01.1' in out and 'unbroadcast' in out
 
 
+@pytest.mark.grader
 def test_changing_an_input_in_place_is_a_failure(demo, prepared, tmp_path):
     cells = replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x):\n    x *= 2.0\n    return x')
     e = grade_cells(demo, prepared, tmp_path, cells).exercises[0]

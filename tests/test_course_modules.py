@@ -13,6 +13,8 @@ from tinycomp.course.refs import prepare_checks
 from tinycomp.course.release import module_problems
 from tinycomp.course.spec import get_spec, module_mutants, modules, mutant_notebook
 
+pytestmark = pytest.mark.grader
+
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = sorted(modules())
 SEED = 12345

@@ -13,6 +13,8 @@ from tinycomp.nn.modules import Flatten, Linear, Sequential
 from tinycomp.optim import Adam
 from tinycomp.tensor import Tensor, gradcheck, manual_seed, no_grad
 
+pytestmark = pytest.mark.module06
+
 
 # ---- NumPy formulas, written independently of the package -------------------------------------------------------
 

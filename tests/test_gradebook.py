@@ -16,6 +16,8 @@ from tinycomp.course.refs import prepare_checks
 from tinycomp.course.spec import get_spec
 from tinycomp.errors import GradingError
 
+pytestmark = pytest.mark.grader
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = get_spec('01')
 KEY = bytes(range(32))

@@ -40,6 +40,8 @@ from tinycomp.leaderboard.worker import measure_next
 from tinycomp.models import load_pretrained
 from tinycomp.nn.modules import Flatten, Linear, Sequential
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 FAST = dict(rounds=2, calls=1)             # the harness at its cheapest: these tests check plumbing, not speed
 

@@ -16,6 +16,8 @@ from tinycomp.nn import Dropout, Flatten, Linear, Module, Parameter, ReLU, Seque
 from tinycomp.nn.functional import cross_entropy, dropout, linear, mse_loss
 from tinycomp.tensor import Tensor, gradcheck
 
+pytestmark = pytest.mark.module01
+
 rng = np.random.default_rng(4321)
 
 

@@ -12,6 +12,8 @@ from tinycomp.nn.functional import cross_entropy
 from tinycomp.optim import SGD, Adam, CosineAnnealingLR, Optimizer, StepLR
 from tinycomp.tensor import Tensor, no_grad
 
+pytestmark = pytest.mark.module01
+
 
 def _square_grad_steps(optimizer, steps, **kw):
     w = Parameter(np.array([1.0, -2.0]))

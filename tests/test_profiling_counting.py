@@ -18,6 +18,8 @@ from tinycomp.profiling.counting import (PROFILE_COLUMNS, Profile, activation_by
 from tinycomp.tensor import Tensor, as_tensor
 from tinycomp.tensor import no_grad
 
+pytestmark = pytest.mark.module03
+
 
 def pair(v): return (v, v) if isinstance(v, int) else tuple(v)
 

@@ -18,6 +18,8 @@ from tinycomp.profiling.timing import thread_info, usable_cores
 from tinycomp.io import save
 from tinycomp.nn import Module
 
+pytestmark = pytest.mark.module03
+
 # the machine figures are passed in by hand wherever a test does not need them measured
 PEAK, BW = 100.0, 20.0
 

@@ -11,6 +11,8 @@ from tinycomp.errors import TinycompError
 from tinycomp.profiling.timing import (check_threads, latency_stats, measure_times, set_threads, thread_info, threads_arg,
                                        time_fn, usable_cores)
 
+pytestmark = pytest.mark.module03
+
 KEYS = {'median', 'p90', 'p99', 'mean', 'cv', 'ci_low', 'ci_high'}
 
 

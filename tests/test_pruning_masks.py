@@ -21,6 +21,8 @@ from tinycomp.pruning.masks import (
     nm_mask, prunable_layers, prune, random_unstructured, slice_norms, sparsity)
 from tinycomp.tensor import Tensor, default_generator, manual_seed, no_grad
 
+pytestmark = pytest.mark.module05
+
 F32 = np.float32
 
 

@@ -13,6 +13,8 @@ from tinycomp.pruning.masks import MaskedConv2d, MaskedLinear, prunable_layers, 
 from tinycomp.pruning.sparse import SparseConv2d, SparseLinear
 from tinycomp.tensor import manual_seed
 
+pytestmark = pytest.mark.module05
+
 
 def snapshot(m): return {k: v.copy() for k, v in m.state_dict().items()}
 

@@ -11,6 +11,8 @@ from tinycomp.nn.modules import Flatten, Linear, ReLU, Sequential
 from tinycomp.pruning import sparse as S
 from tinycomp.tensor import Tensor, manual_seed
 
+pytestmark = pytest.mark.module05
+
 
 def sparse_matrix(rng, m, k, density, dtype=np.float32):
     w = rng.standard_normal((m, k)).astype(dtype)

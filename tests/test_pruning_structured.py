@@ -15,6 +15,8 @@ from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.pruning import structured as S
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 
+pytestmark = pytest.mark.module05
+
 
 def snapshot(m): return {k: v.copy() for k, v in m.state_dict().items()}
 

@@ -21,6 +21,8 @@ from tinycomp.quantization.observers import (
 from tinycomp.quantization.observers import _Histogram, _entropy_threshold, _entropy_threshold_naive
 from tinycomp.tensor import Tensor, default_generator, manual_seed, no_grad
 
+pytestmark = pytest.mark.module04
+
 F32 = np.float32
 
 

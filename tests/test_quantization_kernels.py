@@ -13,6 +13,8 @@ from tinycomp.quantization.int8_conv import quantized_conv2d, quantized_linear
 from tinycomp.quantization.kernels import (MAX_REDUCTION, _mbqm, int8_matmul, quantized_adaptive_avg_pool2d,
                                            quantized_conv2d_naive, quantized_max_pool2d, requantize)
 
+pytestmark = pytest.mark.module04
+
 # every kernel level this CPU runs ('vnni', 'avx2', 'loops' on an AVX-512 VNNI machine; 'loops' alone on ARM);
 # TINYCOMP_INT8_KERNEL=avx2|loops caps the list, to test the lower levels on their own
 KERNELS = ['auto'] + list(K.KERNEL_LEVELS)

@@ -22,6 +22,8 @@ from tinycomp.quantization import analysis as A, layers as L, models as Q
 from tinycomp.quantization.core import pack_int4, sqnr, unpack_int4
 from tinycomp.tensor import Tensor, manual_seed, no_grad
 
+pytestmark = pytest.mark.module04
+
 
 @pytest.fixture(scope='module')
 def digits():

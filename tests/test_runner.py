@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = '''
 import time
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.grader
 def spin(x, seconds):
     "Burn `seconds` of CPU time, then return 2 * x."
     t = time.process_time()

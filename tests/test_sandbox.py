@@ -9,6 +9,9 @@ from tinycomp.course.gradebook import grade
 from tinycomp.course.notebooks import read_notebook
 from tinycomp.course.refs import prepare_checks
 from tinycomp.course.spec import get_spec
+import pytest
+
+pytestmark = pytest.mark.grader
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = get_spec('01')

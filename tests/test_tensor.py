@@ -8,6 +8,8 @@ import tinycomp.tensor as T
 from tinycomp.errors import AutogradError, ShapeError
 from tinycomp.tensor import Tensor, cat, gradcheck, no_grad, stack
 
+pytestmark = pytest.mark.module01
+
 rng = np.random.default_rng(1234)
 
 
