@@ -13,7 +13,7 @@ from tinycomp.benchmarking.harness import file_size, parameter_counts
 from tinycomp.benchmarking.stages import (DEFAULT_RECIPE, STAGES, Stage, check_data, load_recipe, make_context, model_kind,
                                           resolve_model, run_stage, stages_help)
 from tinycomp.benchmarking.sweep import default_configurations, example_budgets, recommend, strategy_sweep
-from tinycomp.cli import build_parser, command_modules, main
+from tinycomp.cli import BENCHMARKS, COMMANDS, build_parser, main, registered
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.distillation import tiny_cnn
 from tinycomp.errors import ShapeError, TinycompError
@@ -458,8 +458,8 @@ def model_file(model, tmp_path):
 
 
 def test_cli_registered():
-    mods = [m.__name__ for m in command_modules()]
-    assert 'tinycomp.benchmarking.compression' in mods and 'tinycomp.benchmarking.sweep' in mods
+    assert registered(COMMANDS)['compress'].value == 'tinycomp.benchmarking.compression:add_cli'
+    assert registered(BENCHMARKS)['strategies'].value == 'tinycomp.benchmarking.sweep:add_bench_cli'
     parser = build_parser()
     args = parser.parse_args(['compress', 'default', '--model', 'digits_cnn', '--out', 'x.npz', '--threads', '1'])
     assert (args.recipe, args.model, args.out, args.threads, args.seed, args.no_progress) == ('default', 'digits_cnn', 'x.npz', 1, 0, False)

@@ -2,6 +2,7 @@
 acceptance and limits, the worker, the page, the CLI."""
 import json
 import math
+import os
 import sqlite3
 import subprocess
 import sys
@@ -539,10 +540,10 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     assert 'TINYCOMP_TOKEN' in capsys.readouterr().err
 
 
-def test_cli_is_registered_in_order():
-    from tinycomp.cli import build_parser, command_modules
-    names = [m.__name__ for m in command_modules()]
-    assert 'tinycomp.leaderboard.cli' in names and lb_cli.CLI_ORDER == 40
+def test_cli_is_registered_by_its_entry_points():
+    from tinycomp.cli import COMMANDS, build_parser, registered
+    eps = registered(COMMANDS)
+    assert eps['leaderboard'].load() is lb_cli.add_leaderboard_cli and eps['submit'].load() is lb_cli.add_submit_cli
     sub = next(a for a in build_parser()._actions if a.dest == 'command')
     assert {'leaderboard', 'submit'} <= set(sub.choices)
     lb_sub = next(a for a in sub.choices['leaderboard']._actions if a.dest == 'lb_command')
