@@ -271,9 +271,13 @@ def test_bad_thread_count_from_the_console_script():
 
 # --- the commands end to end -----------------------------------------------------------------------------
 
-def test_tour_prints_and_saves_its_figures(tmp_path):
-    result = run('tour', '--out', str(tmp_path), '--no-progress', '--threads', '1')
+def test_tour_prints_and_saves_its_figures(writes_only):
+    result = run('tour', '--no-progress', '--threads', '1', cwd=writes_only.cwd)     # the default --out, tinycomp_tour
     assert result.returncode == 0, result.stderr
+    assert writes_only.check(result.stdout, 'tinycomp_tour') == [
+        f'tinycomp_tour/{n}' for n in ('compression_report.json', 'compression_report.png', 'critical_failures.png',
+                                       'digits_cnn_wide_compressed.npz', 'training_curve.png')]
+    tmp_path = writes_only.cwd / 'tinycomp_tour'
     for label in ('latency measured on 1 thread', 'prune_channels', 'distill', 'quantize_static', 'b64 speedup [95% CI]',
                   'ECE', 'critical failures', 'x smaller', 'x faster', 'McNemar p'):
         assert label in result.stdout, label
@@ -289,9 +293,11 @@ def test_tour_prints_and_saves_its_figures(tmp_path):
     assert model(Tensor(load_digits('test')[0][:2])).shape == (2, 10)
 
 
-def test_train_writes_a_loadable_model(tmp_path):
-    result = run('train', 'digits_cnn', '--epochs', '1', '--out', str(tmp_path), '--no-progress')
+def test_train_writes_a_loadable_model(writes_only):
+    result = run('train', 'digits_cnn', '--epochs', '1', '--no-progress', cwd=writes_only.cwd)   # --out tinycomp_train
     assert result.returncode == 0, result.stderr
+    assert writes_only.check(result.stdout, 'tinycomp_train') == ['tinycomp_train/digits_cnn.json', 'tinycomp_train/digits_cnn.npz']
+    tmp_path = writes_only.cwd / 'tinycomp_train'
     from tinycomp.io import load
     load(tmp_path / 'digits_cnn.npz')
     info = json.loads((tmp_path / 'digits_cnn.json').read_text())
@@ -305,8 +311,34 @@ def test_bad_arguments_are_argparse_errors():
     assert result.returncode == 2 and 'at least 1' in result.stderr and 'Traceback' not in result.stderr
 
 
-def test_tour_output_is_git_ignored():
-    lines = (REPO / '.gitignore').read_text().splitlines()
-    assert 'tinycomp_tour/' in lines
+def out_defaults() -> dict:
+    "{command path: default of its --out} of every command with an --out option."
+    return {path: a.default for path, p in walk(build_parser()) for a in p._actions if '--out' in a.option_strings}
+
+
+def test_every_out_is_a_folder_named_after_its_command_and_git_ignored():
+    defaults = out_defaults()
+    assert {('tour',), ('profile',), ('compress',), ('train',), ('export',), ('import',), ('bench', 'strategies')} <= set(defaults)
+    for path, default in defaults.items():
+        assert default == f"tinycomp_{path[0]}", (path, default)
+        option = next(a for p_, p in walk(build_parser()) if p_ == path for a in p._actions if '--out' in a.option_strings)
+        assert option.metavar == 'DIR' and 'folder' in option.help, path
+    assert 'tinycomp_*/' in (REPO / '.gitignore').read_text().splitlines()
     if (REPO / '.git').exists():
-        assert subprocess.run(['git', 'check-ignore', '-q', 'tinycomp_tour/digits_cnn.npz'], cwd=REPO).returncode == 0
+        for default in set(defaults.values()):
+            assert subprocess.run(['git', 'check-ignore', '-q', f'{default}/x.npz'], cwd=REPO).returncode == 0, default
+
+
+@pytest.mark.parametrize('argv, target', [
+    (['bench', 'conv', '--no-torch'], 'tinycomp.conv.conv_benchmark'),
+    (['bench', 'train', '--no-torch'], 'tinycomp.models.train_benchmark'),
+    (['bench', 'prune'], 'tinycomp.pruning.schedules.prune_benchmark'),
+    (['bench', 'quant'], 'tinycomp.quantization.analysis.quant_benchmark'),
+    (['bench', 'onnx'], 'tinycomp.onnx.cli.onnx_benchmark')])
+def test_a_benchmark_writes_only_its_json_and_says_so(argv, target, writes_only, monkeypatch, capsys):
+    "The benchmarks themselves are measured in their own tests; here: --json FILE is the one file, and it is printed."
+    from tinycomp.files import write_json
+    monkeypatch.setattr(target, lambda json_path=None, **kw: write_json({'fake': True}, json_path) if json_path else None)
+    assert main([*argv, '--json', 'results.json']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'results.json') == ['results.json']
+    assert main(argv) == 0 and writes_only.files() == {'results.json'}      # nothing without --json

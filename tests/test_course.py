@@ -344,7 +344,7 @@ def test_cli_registers_subcommands(monkeypatch, tmp_path, capsys):
     p = argparse.ArgumentParser(); sub = p.add_subparsers(dest='cmd')
     for add in (add_test_cli, add_status_cli, add_release_cli, add_refs_cli, add_grade_cli, add_sandbox_cli): add(sub)
     for argv in (['release', '--check'], ['refs'], ['test', '01', '--notebook', 'x.ipynb', '--json', 'r.json'],
-                 ['status'], ['grade', 'dir', '--module', '01', '--out', 'g.csv']):
+                 ['status'], ['grade', 'dir', '--module', '01', '--gradebook', 'g.csv']):
         assert callable(p.parse_args(argv).func)
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path))
     assert main(['status']) == 0 and '01 tensor' in capsys.readouterr().out

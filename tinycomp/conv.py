@@ -558,6 +558,7 @@ def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_to
 # %% ../nbs/02a_conv.ipynb #b33bad0d
 def _run_conv(args):
     conv_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats, use_torch=not args.no_torch)
+    if args.json: print(f"wrote {args.json}")
     return 0
 
 def add_bench_cli(bench_subparsers):

@@ -23,7 +23,7 @@ from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .data import DataLoader, load_digits
 from .errors import TinycompError
-from .files import write_json
+from .files import output_folder, write_json
 from .nn.functional import cross_entropy
 from .nn.modules import Dropout, Flatten, Linear, ReLU, Sequential
 from .optim import Adam, CosineAnnealingLR
@@ -161,7 +161,7 @@ def load_pretrained(name):
     from tinycomp.io import load
     path = pretrained_path(name)
     if not path.exists():
-        raise TinycompError(f"no pretrained weights for {name!r} at {path}; run `tinycomp train {name}` to create them")
+        raise TinycompError(f"no pretrained weights for {name!r} at {path}; run `tinycomp train {name} --out {path.parent}` to create them")
     return load(path).eval()
 
 def pretrained_info(name) -> dict:
@@ -221,13 +221,13 @@ def plot_history(history, title='', path=None, splits=None, test_accuracy=None):
     return fig
 
 # %% ../nbs/92_models.ipynb #2548f55b
-def train_command(name, out='.', epochs=None, seed=None, progress=True) -> Path:
-    "Train `name` with its training config, save it to `out`, and compare with the shipped weights."
-    if Path(out).exists() and not Path(out).is_dir(): raise TinycompError(f"--out {out} exists and is not a directory")
+def train_command(name, out='tinycomp_train', epochs=None, seed=None, progress=True) -> Path:
+    "Train `name` with its training config, save it (NAME.npz, NAME.json) into the folder `out`, and compare with the shipped weights."
+    output_folder(out, create=False)
     model, history = train_reference(name, epochs=epochs, seed=seed, progress=progress)
     path = save_pretrained(name, model, history, out)
     acc = evaluate(model, load_digits('test')).accuracy
-    print(f"{name}: test accuracy {acc:.2%}, saved to {path}")
+    print(f"{name}: test accuracy {acc:.2%}; wrote {path}, {path.with_suffix('.json')}")
     if pretrained_path(name).exists() and path.resolve() != pretrained_path(name).resolve() and epochs is None and seed is None:
         shipped = load_pretrained(name).state_dict()
         diff = max(float(np.abs(shipped[k] - v).max()) for k, v in model.state_dict().items())
@@ -246,10 +246,12 @@ def add_cli(subparsers):
     p = subparsers.add_parser(
         'train', help='reproduce a pretrained model from scratch with its fixed training config (instructors)',
         description='Train a reference model from scratch with its fixed training config (Adam, cosine schedule) on the '
-                    'digits train split, write NAME.npz and NAME.json to --out, print the test accuracy and, for '
+                    'digits train split, write NAME.npz and NAME.json into --out, print the test accuracy and, for '
                     f'the unchanged config, the largest difference from the shipped weights. Training configs: {configs}.')
     p.add_argument('name', choices=sorted(MODELS), metavar='NAME', help=f"the model to train: {', '.join(sorted(MODELS))}")
-    p.add_argument('--out', default='.', metavar='DIR', help='directory to write NAME.npz and NAME.json (default: current directory)')
+    p.add_argument('--out', default='tinycomp_train', metavar='DIR',
+                   help='folder for NAME.npz and NAME.json, created if missing (default: %(default)s; in a clone, '
+                        '--out tinycomp/pretrained replaces the shipped weights)')
     p.add_argument('--epochs', type=int, default=None, metavar='E', help="override the training config's epochs")
     p.add_argument('--seed', type=int, default=None, help="override the training config's seed")
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
@@ -325,6 +327,7 @@ def train_benchmark(epochs=15, runs=3, threads=None, use_torch=True, json_path=N
 # %% ../nbs/92_models.ipynb #692bd9cd
 def _run_bench_train(args):
     train_benchmark(epochs=args.epochs, runs=args.runs, threads=args.threads, use_torch=not args.no_torch, json_path=args.json)
+    if args.json: print(f"wrote {args.json}")
     return 0
 
 def add_bench_cli(bench_subparsers):

@@ -7,7 +7,6 @@ __all__ = ['tour', 'add_cli']
 
 # %% ../nbs/97a_tour.ipynb #dbeed48b
 import time
-from pathlib import Path
 
 import tinycomp
 from .benchmarking.evaluation import evaluation_report, format_evaluation, plot_critical_failures
@@ -16,7 +15,7 @@ from .benchmarking.compression import compress
 from .benchmarking.stages import DEFAULT_RECIPE, load_recipe
 from .data import load_digits
 from .errors import TinycompError
-from .files import write_json
+from .files import output_folder, write_json
 from .io import save
 from .models import MODELS, digits_split_sizes, load_pretrained, plot_history, pretrained_info, train_reference
 from .profiling.timing import add_measure_options, threads_arg
@@ -27,12 +26,11 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
     """The main job: the reference CNN `model` (shipped weights, or `retrain`ed), compressed with `recipe` (default:
     `DEFAULT_RECIPE`), every stage measured in one interleaved run on `threads` threads; writes the compressed model,
     the report and the plots to `out` and returns the figures as a dict."""
-    out = Path(out)
-    if out.exists() and not out.is_dir(): raise TinycompError(f"--out {out} exists and is not a directory")
+    out = output_folder(out, create=False)
     if model not in MODELS: raise TinycompError(f"unknown model {model!r}; the tour runs on {', '.join(sorted(MODELS))}")
     threads = threads_arg(threads) if threads is not None else None
     recipe = load_recipe(DEFAULT_RECIPE if recipe is None else recipe)
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out)
     say = (lambda *l: print(*l, sep='\n', flush=True)) if verbose else (lambda *l: None)
     started = time.perf_counter()
     say(f"tinycomp {tinycomp.__version__} tour: {model} on the digits data, latency measured on "
@@ -95,7 +93,7 @@ def add_cli(subparsers):
                     'parameters, file bytes, latency at batch 1 and 64. Then agreement, calibration and the critical '
                     'failures. Writes the compressed model, the report and the plots to --out.')
     p.add_argument('--retrain', action='store_true', help='train the model from scratch with its fixed training config instead of loading the shipped weights')
-    p.add_argument('--out', default='tinycomp_tour', metavar='DIR', help='directory for the model file, report and plots (default: %(default)s)')
+    p.add_argument('--out', default='tinycomp_tour', metavar='DIR', help='folder for the model file, report and plots, created if missing (default: %(default)s)')
     add_measure_options(p, repeats=None, json=False, threads=1)
     p.add_argument('--model', default='digits_cnn_wide', choices=sorted(MODELS), help='the reference model (default: %(default)s)')
     p.add_argument('--recipe', default=None, metavar='FILE', help='a recipe file (JSON or TOML) instead of the default recipe')

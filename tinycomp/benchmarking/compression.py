@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import TinycompError
-from ..files import write_json
+from ..files import output_folder, write_json, writing_into
 from ..models import MODELS, evaluate
 from ..io import save
 from ..profiling.hardware import format_table
@@ -269,50 +269,50 @@ def _output_path(path, what) -> Path:
     if not path.parent.is_dir(): raise TinycompError(f"{what} {str(path)!r}: the folder {str(path.parent)!r} does not exist")
     return path
 
-def compress_command(recipe, model, out, report=None, threads=1, progress=True, seed=0, rounds=20, calls=5) -> dict:
-    """`tinycomp compress`: run `recipe` on `model`, print the report, write the model to `out` and the report to
-    `report` + '.json' / '.png' (default: `out` with those suffixes), all or nothing. Returns the report as a dict."""
-    out = _output_path(out, '--out')
-    prefix = Path(report) if report is not None else out.with_suffix('')
-    json_path = _output_path(prefix.with_name(prefix.name + '.json'), '--report')
-    png_path = _output_path(prefix.with_name(prefix.name + '.png'), '--report')
-    if len({out.resolve(), json_path.resolve(), png_path.resolve()}) < 3:
-        raise TinycompError(f"--out {out} and the report files {json_path}, {png_path} must differ; give --report")
+def compress_command(recipe, model, out='tinycomp_compress', threads=1, progress=True, seed=0, rounds=20, calls=5) -> dict:
+    """`tinycomp compress`: run `recipe` on `model`, print the report, and write into the folder `out` the compressed
+    model `NAME_compressed.npz` (NAME: the pretrained name or the model file's name), the report
+    `compression_report.json` and its plot `compression_report.png`, all or nothing. Returns the report as a dict."""
+    out = output_folder(out, create=False)
     recipe_source = str(recipe)
     recipe = load_recipe(recipe)
     source = model
     model = resolve_model(model)
+    name = str(source) if str(source) in MODELS else Path(source).stem if isinstance(source, (str, os.PathLike)) else 'model'
+    model_path, json_path, png_path = out / f"{name}_compressed.npz", out / 'compression_report.json', out / 'compression_report.png'
     final, rep = compress(model, recipe, progress=progress, seed=seed, rounds=rounds, calls=calls, threads=threads)
     print(f"\n{recipe_source} on {source}:")
     print(rep.table())
-    result = dict(rep.to_dict(), model=str(source), recipe_source=recipe_source, out=str(out))
+    result = dict(rep.to_dict(), model=str(source), recipe_source=recipe_source, model_file=str(model_path))
     fig = rep.plot()
-    _write_outputs({out: lambda p: save(final, p),         # no metadata: the file is the size the report says
-                    json_path: lambda p: write_json(result, p), png_path: lambda p: _save_figure(fig, p)})
-    print(f"\nwrote {out} ({out.stat().st_size:,} bytes), {json_path}, {png_path}")
+    with writing_into(out):
+        _write_outputs({model_path: lambda p: save(final, p),     # no metadata: the file is the size the report says
+                        json_path: lambda p: write_json(result, p), png_path: lambda p: _save_figure(fig, p)})
+    print(f"\nwrote {model_path} ({model_path.stat().st_size:,} bytes), {json_path}, {png_path}")
     return result
 
 def _run_compress(args) -> int:
-    compress_command(args.recipe, args.model, args.out, args.report, args.threads, not args.no_progress, args.seed)
+    compress_command(args.recipe, args.model, args.out, args.threads, not args.no_progress, args.seed)
     return 0
 
 def add_cli(subparsers):
-    "Register `tinycomp compress RECIPE --model NAME|FILE --out FILE` on an argparse `subparsers` object."
+    "Register `tinycomp compress RECIPE --model NAME|FILE [--out DIR]` on an argparse `subparsers` object."
     from tinycomp.profiling.timing import add_measure_options
     p = subparsers.add_parser(
         'compress', help='run a compression recipe (prune -> distill -> quantize ...) and report what each stage bought',
         description='Run the stages of RECIPE in order on a model, evaluate each stage on the digits test split, '
                     'measure the original and every stage in one interleaved run (latency at batch 1 and 64 with '
-                    'bootstrap CIs, file bytes, McNemar test), print the per-stage table and write the final model, '
-                    'the report (JSON) and its plot (PNG). Stages: ' + ', '.join(STAGES) + '.',
+                    'bootstrap CIs, file bytes, McNemar test), print the per-stage table and write the final model '
+                    '(NAME_compressed.npz), the report (compression_report.json) and its plot (compression_report.png) '
+                    'into --out, all or nothing. Stages: ' + ', '.join(STAGES) + '.',
         epilog='Recipe JSON: [{"prune_channels": {"ratio": 0.5}}, {"distill": {"teacher": "original", "epochs": 8}}, '
                '{"quantize_static": {}}]; TOML: [[stage]] tables with a name key and the options. Speedup = baseline '
                'latency / candidate latency (>1 = faster); compression = baseline bytes / candidate bytes.')
     p.add_argument('recipe', metavar='RECIPE', help="a .json or .toml recipe file, or 'default' (prune_channels 0.5, "
                                                     "distill 8 epochs from the original, quantize_static)")
     p.add_argument('--model', required=True, metavar='NAME|FILE', help=f"a pretrained model ({', '.join(sorted(MODELS))}) or a model file")
-    p.add_argument('--out', required=True, metavar='FILE', help='where to write the compressed model (.npz)')
-    p.add_argument('--report', default=None, metavar='PREFIX', help='write PREFIX.json and PREFIX.png (default: OUT with those suffixes)')
+    p.add_argument('--out', default='tinycomp_compress', metavar='DIR',
+                   help='folder for the compressed model, the report and its plot, created if missing (default: %(default)s)')
     add_measure_options(p, repeats=None, json=False, threads=1)
     p.add_argument('--no-progress', action='store_true', help='no progress bars')
     p.add_argument('--seed', type=int, default=0, metavar='S', help='seed of training and measurement (default %(default)s)')

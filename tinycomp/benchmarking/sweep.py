@@ -10,12 +10,13 @@ __all__ = ['default_configurations', 'SweepResult', 'strategy_sweep', 'recommend
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import TinycompError
-from ..files import write_json
+from ..files import output_folder, write_json, writing_into
 from ..profiling.hardware import format_table
 from .harness import compare, CONVENTIONS
 from .evaluation import pareto_front, knee_point, plot_pareto
@@ -216,10 +217,11 @@ def example_budgets(original_row) -> dict:
             f"twice as fast at batch 1 ({ms / 2:.3f} ms), within 0.5 point":
                 dict(max_latency_ms=ms / 2, min_accuracy=max(0.0, acc - 0.005))}
 
-def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path=None, png_path='strategies_pareto.png',
+def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path=None, png_path=None,
                          progress=True, verbose=True, rounds=20, calls=5) -> dict:
-    "`tinycomp bench strategies`: the default sweep, its Pareto plot, and recommendations for `example_budgets`."
-    if png_path is not None: png_path = _output_path(png_path, '--out')
+    """`tinycomp bench strategies`: the default sweep, recommendations for `example_budgets`, and the Pareto plot saved
+    to `png_path` (its folder is created when it is written) and the results to `json_path` when given."""
+    if png_path is not None: png_path = output_folder(Path(png_path).parent, create=False) / Path(png_path).name
     if json_path is not None: json_path = _output_path(json_path, '--json')
     sweep = strategy_sweep(model, epochs=epochs, progress=progress, rounds=rounds, calls=calls, threads=threads)
     info = sweep.comparison.result('original').environment['threads']
@@ -235,17 +237,20 @@ def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path
         if verbose: print(f"\nbudget: {desc}\n{text}")
     if png_path is not None:
         fig = sweep.plot()
-        _write_outputs({png_path: lambda p: _save_figure(fig, p)})
-        if verbose: print(f"\nPareto plot: {png_path}")
-    if json_path is not None: _write_outputs({json_path: lambda p: write_json(result, p)})
+        with writing_into(png_path.parent): _write_outputs({png_path: lambda p: _save_figure(fig, p)})
+        if verbose: print(f"\nwrote the Pareto plot: {png_path}")
+    if json_path is not None:
+        _write_outputs({json_path: lambda p: write_json(result, p)})
+        if verbose: print(f"wrote {json_path}")
     return result
 
 def _run_strategies(args) -> int:
-    strategies_benchmark(args.model, args.epochs, args.threads, args.json, args.out, progress=not args.no_progress)
+    strategies_benchmark(args.model, args.epochs, args.threads, args.json, Path(args.out) / 'strategies_pareto.png',
+                         progress=not args.no_progress)
     return 0
 
 def add_bench_cli(bench_subparsers):
-    "Register `tinycomp bench strategies [--threads N] [--json PATH] [--out PNG] [--model NAME] [--epochs E]`."
+    "Register `tinycomp bench strategies [--threads N] [--json PATH] [--out DIR] [--model NAME] [--epochs E]`."
     from tinycomp.profiling.timing import add_measure_options, positive_int
     p = bench_subparsers.add_parser(
         'strategies', help='sweep compression recipes, Pareto front and a recommendation for a budget',
@@ -253,10 +258,11 @@ def add_bench_cli(bench_subparsers):
                     'distillation into a pruned student; 80 %% unstructured sparsity; and their combinations with '
                     'int8) from a pretrained model, measure them and the original in one interleaved run, mark the '
                     'Pareto front of (accuracy, latency at batch 1, file bytes) and its knee, and recommend a '
-                    'configuration for two example budgets. Speedup = baseline latency / candidate latency (>1 = '
-                    'faster); compression = baseline bytes / candidate bytes.')
+                    'configuration for two example budgets; the Pareto plot goes to --out. Speedup = baseline latency '
+                    '/ candidate latency (>1 = faster); compression = baseline bytes / candidate bytes.')
     add_measure_options(p, repeats=None, threads=1)
-    p.add_argument('--out', default='strategies_pareto.png', metavar='PNG', help='where to save the Pareto plot (default %(default)s)')
+    p.add_argument('--out', default='tinycomp_bench', metavar='DIR',
+                   help='folder for the Pareto plot, strategies_pareto.png, created if missing (default %(default)s)')
     p.add_argument('--model', default='digits_cnn_wide', metavar='NAME|FILE', help='pretrained name or model file (default %(default)s)')
     p.add_argument('--epochs', type=positive_int, default=4, metavar='E',
                    help='fine-tuning / AGP epochs per configuration, distillation gets 2E (default %(default)s)')

@@ -65,6 +65,7 @@ def test_module(key: str, notebooks=None, json_path=None, seed=None, record=True
         elif report.passed: print('\n' + next_step(spec, Path(report.notebooks[0]).resolve().parent))
     if json_path:
         with atomic_write(json_path) as f: f.write((json.dumps(report.to_json(), indent=1) + '\n').encode())
+        if not quiet: print(f"\nwrote {json_path}")
     if record and not practice: record_progress(report)
     return 0 if report.passed else 1
 
@@ -78,7 +79,8 @@ def _grade_command(a) -> int:
     elif not bwrap_path():
         raise GradingError(f"the sandbox is not available: {sandbox_problem()}. Grading that counts needs it; "
                            "pass --no-sandbox only to try things out (results are then not tamper-proof)")
-    return grade(a.directory, a.module, a.out, jobs=a.jobs, key_file=a.key_file, fresh=a.fresh, sandbox=not a.no_sandbox)
+    gradebook = a.gradebook or f"gradebook_{get_spec(a.module).key}.csv"
+    return grade(a.directory, a.module, gradebook, jobs=a.jobs, key_file=a.key_file, fresh=a.fresh, sandbox=not a.no_sandbox)
 
 def sandbox_command(bench=None, repeats=3) -> int:
     "Print what this machine offers for grading and, with `bench`, the time grading module `bench` takes with and without the sandbox."
@@ -163,7 +165,8 @@ def add_grade_cli(subparsers):
                                           'grading key that only the instructor can read.')
     p.add_argument('directory', help='folder with one notebook or one folder per learner')
     p.add_argument('--module', required=True, help='module number, e.g. 01')
-    p.add_argument('--out', default='gradebook.csv', help='CSV file to write (default: %(default)s)')
+    p.add_argument('--gradebook', metavar='FILE', help='the CSV gradebook to write, or to resume (default: gradebook_NN.csv '
+                                                      'in the current folder, NN the module)')
     p.add_argument('--jobs', type=int, default=1, help='learners graded in parallel (default: 1)')
     p.add_argument('--key-file', metavar='PATH', help='the secret grading key (default: $TINYCOMP_GRADING_KEY, else '
                                                       '~/.tinycomp/grading.key; made on first use; keep it private)')

@@ -68,12 +68,12 @@ def submit_local(store, model_path, token, log=print) -> dict:
     return sub
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #f1c94bcc
-def _write_page(store, out, private=None) -> Path:
-    out = Path(out)
-    if out.is_dir(): raise TinycompError(f"--out {out} is a folder; give a file name")
-    if not out.parent.is_dir(): raise TinycompError(f"--out {out}: the folder {out.parent} does not exist")
-    with atomic_write(out) as f: f.write(render_page(store, private).encode('utf-8'))
-    return out
+def _write_page(store, page, private=None) -> Path:
+    page = Path(page)
+    if page.is_dir(): raise TinycompError(f"--page {page} is a folder; give a file name")
+    if not page.parent.is_dir(): raise TinycompError(f"--page {page}: the folder {page.parent} does not exist")
+    with atomic_write(page) as f: f.write(render_page(store, private).encode('utf-8'))
+    return page
 
 def _token_arg(args) -> str:
     token = args.token or os.environ.get('TINYCOMP_TOKEN')
@@ -109,8 +109,8 @@ def _run_lb(args) -> int:
         lb = store.leaderboard(True if args.private else None)
         print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb))
     elif a == 'html':
-        out = _write_page(open_store(args.db), args.out, True if args.private else None)
-        print(f"wrote {out}")
+        page = _write_page(open_store(args.db), args.page, True if args.private else None)
+        print(f"wrote {page}")
     elif a == 'export':
         store = open_store(args.db)
         if not args.csv and not args.json: raise TinycompError("give --csv FILE and/or --json FILE")
@@ -189,7 +189,7 @@ def add_leaderboard_cli(subparsers):
     p.add_argument('--private', action='store_true', help='private scores even before closing (instructor only)')
     p = action('html', 'write the static page (host it anywhere)', 'Write the leaderboard page: one self-contained '
                'HTML file (tables, Pareto plots, histories; no external resources), atomically.')
-    p.add_argument('--out', required=True, metavar='FILE', help='where to write the page (.html)')
+    p.add_argument('--page', required=True, metavar='FILE', help='the page to write (.html), e.g. in the folder your web server serves')
     p.add_argument('--private', action='store_true', help='private scores even before closing')
     p = action('export', 'export every submission and measurement as CSV and/or JSON',
                'Export the submissions (public and private metrics side by side) as CSV, and/or everything including '

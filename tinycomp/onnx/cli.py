@@ -9,6 +9,7 @@ __all__ = ['export_command', 'import_command', 'add_export_cli', 'add_import_cli
 from pathlib import Path
 
 from ..errors import TinycompError
+from ..files import output_folder, writing_into
 from .export import DEFAULT_OPSET, ONNX_EXTRA, QUANTIZED_FORMS, export_onnx, require_onnx
 from .importer import MAX_ONNX_BYTES, import_onnx
 from .runtime import onnx_benchmark
@@ -22,11 +23,12 @@ def _load_model(spec):
     if spec in MODELS: return load_pretrained(spec)
     raise TinycompError(f"no model file {spec!r} (and it is not a pretrained name: {', '.join(sorted(MODELS))})")
 
-def export_command(model_file, onnx_path, input_shape='1,1,8,8', form='qdq', opset=DEFAULT_OPSET) -> Path:
-    "`tinycomp export`: write the model in `model_file` to `onnx_path`; prints a summary."
+def export_command(model_file, out='tinycomp_export', input_shape='1,1,8,8', form='qdq', opset=DEFAULT_OPSET) -> Path:
+    "`tinycomp export`: write the model in `model_file` (a file or a pretrained name) into the folder `out` as NAME.onnx; prints a summary."
+    out = output_folder(out, create=False)
     model = _load_model(model_file)
     name = Path(model_file).stem
-    path = export_onnx(model, onnx_path, input_shape, opset, form, name=name)
+    with writing_into(out): path = export_onnx(model, out / f"{name}.onnx", input_shape, opset, form, name=name)
     m = require_onnx().load(str(path))
     ops = {}
     for n in m.graph.node: ops[n.op_type] = ops.get(n.op_type, 0) + 1
@@ -36,19 +38,21 @@ def export_command(model_file, onnx_path, input_shape='1,1,8,8', form='qdq', ops
     if 'notes' in props: print(f"note: {props['notes']}")
     return path
 
-def import_command(onnx_path, out, max_bytes=MAX_ONNX_BYTES) -> Path:
-    "`tinycomp import`: read the ONNX float model at `onnx_path`, save it as a tinycomp model file `out`; prints a summary."
+def import_command(onnx_path, out='tinycomp_import', max_bytes=MAX_ONNX_BYTES) -> Path:
+    "`tinycomp import`: read the ONNX float model at `onnx_path`, save it into the folder `out` as the tinycomp model file NAME.npz; prints a summary."
     from tinycomp.io import save
+    out = output_folder(out, create=False)
     model = import_onnx(onnx_path, max_bytes=max_bytes)
     info = model.onnx_info
-    path = save(model, out, metadata=dict(imported_from=Path(onnx_path).name, **info))
+    with writing_into(out):
+        path = save(model, out / f"{Path(onnx_path).stem}.npz", metadata=dict(imported_from=Path(onnx_path).name, **info))
     n = sum(p.data.size for p in model.parameters())
     print(f"imported {len(model)} layers ({n} parameters) from {onnx_path} (made by {info['producer'] or 'unknown'} "
           f"{info['producer_version']}), input {info['input_name']} {info['input_shape']}; wrote {path}")
     return path
 
 def _run_export(args):
-    export_command(args.model, args.onnx, args.input_shape, args.form, args.opset)
+    export_command(args.model, args.out, args.input_shape, args.form, args.opset)
     return 0
 
 def _run_import(args):
@@ -61,10 +65,11 @@ def add_export_cli(subparsers):
         'export', help='export a model file (float, pruned or int8) to ONNX',
         description='Write a tinycomp model file (or a pretrained model by name) as an ONNX graph, checked with '
                     "onnx.checker (full check) and shape inference; int8 models as QDQ or QLinear operators with "
-                    "uint8 activations and weights (exact on ONNX Runtime's AVX2 and AVX-512 kernels). Needs the onnx "
-                    f"extra: {ONNX_EXTRA}.")
+                    "uint8 activations and weights (exact on ONNX Runtime's AVX2 and AVX-512 kernels), written into "
+                    f"--out as NAME.onnx (NAME: the model file's name). Needs the onnx extra: {ONNX_EXTRA}.")
     p.add_argument('model', metavar='MODEL_FILE', help='a tinycomp model file (.npz), or digits_cnn / digits_cnn_wide')
-    p.add_argument('--onnx', required=True, metavar='OUT.onnx', help='the ONNX file to write')
+    p.add_argument('--out', default='tinycomp_export', metavar='DIR',
+                   help='folder for the ONNX file, NAME.onnx, created if missing (default: %(default)s)')
     p.add_argument('--input-shape', default='1,1,8,8', metavar='N,C,H,W',
                    help='the input shape the graph is built for (the batch stays symbolic; default %(default)s, the digits)')
     p.add_argument('--form', choices=QUANTIZED_FORMS, default='qdq', help='int8 operators: qdq (default) or qlinear')
@@ -78,10 +83,12 @@ def add_import_cli(subparsers):
     q = subparsers.add_parser(
         'import', help='import an ONNX float CNN as a tinycomp model file',
         description='Read an ONNX float CNN (a chain of Conv, Gemm/MatMul, BatchNormalization, pools, activations, '
-                    'Flatten) and save it as a tinycomp model file, ready to quantize, prune or distill. Hostile or '
-                    f'unsupported files are refused with one line saying why. Needs the onnx extra: {ONNX_EXTRA}.')
+                    'Flatten) and save it into --out as a tinycomp model file, NAME.npz (NAME: the ONNX file\'s name), '
+                    'ready to quantize, prune or distill. Hostile or unsupported files are refused with one line saying '
+                    f'why. Needs the onnx extra: {ONNX_EXTRA}.')
     q.add_argument('onnx_file', metavar='MODEL.onnx', help='the ONNX file to read')
-    q.add_argument('--out', required=True, metavar='MODEL_FILE', help='the tinycomp model file (.npz) to write')
+    q.add_argument('--out', default='tinycomp_import', metavar='DIR',
+                   help='folder for the tinycomp model file, NAME.npz, created if missing (default: %(default)s)')
     q.add_argument('--max-bytes', type=positive_int, default=MAX_ONNX_BYTES, metavar='B',
                    help='refuse ONNX files larger than this (default %(default)s)')
     q.set_defaults(func=_run_import)
@@ -90,6 +97,7 @@ def add_import_cli(subparsers):
 # %% ../../nbs/96d_onnx_cli.ipynb #69d04d86
 def _run_bench(args):
     onnx_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats)
+    if args.json: print(f"wrote {args.json}")
     return 0
 
 def add_bench_cli(bench_subparsers):

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..errors import TinycompError
-from ..files import atomic_write
+from ..files import atomic_write, output_folder
 from .counting import profile_model
 from .timing import add_measure_options, positive_int, set_threads, thread_info, time_fn, usable_cores
 from ..tensor import Tensor, no_grad
@@ -438,8 +438,7 @@ _LAYER_COLUMNS = [('name', 'layer', ''), ('type', 'type', ''), ('flops', 'FLOPs'
                   ('latency_ms', 'ms', '.4f'), ('achieved_gflops', 'GFLOP/s', '.2f'), ('bound', 'bound', '')]
 
 def _run_profile(args) -> int:
-    out = Path(args.out)
-    if out.exists() and not out.is_dir(): raise TinycompError(f"--out {out} exists and is not a directory")
+    out = output_folder(args.out, create=False)
     model = load_model(args.model)
     before = thread_info()
     try: return _profile_command(args, model, out, set_threads(args.threads) if args.threads is not None else before)
@@ -502,7 +501,7 @@ def add_cli(subparsers):
                         'tinycomp.io.save (default %(default)s)')
     p.add_argument('--batch', type=positive_int, default=64, metavar='N', help='batch size (default %(default)s)')
     add_measure_options(p, json=False)
-    p.add_argument('--out', default='tinycomp_profile', metavar='DIR', help='output directory (default %(default)s)')
+    p.add_argument('--out', default='tinycomp_profile', metavar='DIR', help='folder for the CSVs, trace and plots, created if missing (default %(default)s)')
     p.add_argument('--trace', action='store_true', help='also write a Chrome trace, trace.json (open in Perfetto)')
     p.add_argument('--roofline', action='store_true', help='also draw the roofline to roofline.png')
     p.add_argument('--sweep', choices=('batch', 'threads'), default=None,

@@ -429,6 +429,7 @@ def prune_benchmark(threads=None, json_path=None, repeats=10, verbose=True, stru
 def _run_prune(args):
     prune_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats,
                     structured_epochs=args.epochs, agp_epochs=2 * args.epochs)
+    if args.json: print(f"wrote {args.json}")
     return 0
 
 def add_bench_cli(bench_subparsers):

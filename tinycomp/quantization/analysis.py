@@ -437,6 +437,7 @@ def quant_benchmark(threads=None, json_path=None, repeats=20, verbose=True) -> d
 
 def _run_quant(args):
     quant_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats)
+    if args.json: print(f"wrote {args.json}")
     return 0
 
 def add_bench_cli(bench_subparsers):
