@@ -46,5 +46,8 @@ setuptools.setup(
                            + cfg['onnx_requirements'].split() + cfg['leaderboard_requirements'].split()},
     python_requires='>=' + min_python,
     zip_safe=False,
-    entry_points={'console_scripts': cfg['console_scripts'].split()},
+    # the console script, and every subcommand as an entry point (tinycomp.cli finds them in these groups)
+    entry_points={'console_scripts': cfg['console_scripts'].split(),
+                  'tinycomp.commands': cfg['commands'].split(),
+                  'tinycomp.bench': cfg['bench_commands'].split()},
 )

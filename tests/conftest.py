@@ -1,8 +1,9 @@
 """Shared test switches and markers. Tests that need an OS capability may skip only on a machine without it: the sandboxed grader
 (bubblewrap, and cgroups for the memory-limit tests), QEMU's user-mode emulator (ONNX Runtime on an emulated
 AVX2-only CPU) and Chromium (the leaderboard page in a headless browser); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI,
-which installs them) a missing one is a failure."""
+which installs them) a missing one is a failure. And `writes_only`: a command writes nothing outside its `--out`."""
 import os
+import re
 
 import pytest
 
@@ -43,6 +44,46 @@ def chromium():
     path = os.environ.get('TINYCOMP_CHROMIUM') or shutil.which('chromium') or shutil.which('chromium-browser')
     _need('headless Chromium (apt-get install chromium)', path, 'no chromium on PATH (or set TINYCOMP_CHROMIUM)')
     return path
+
+
+class WritesOnly:
+    "What a command writes in an empty current folder: see the fixture `writes_only`."
+    def __init__(self, cwd):
+        self.cwd, self.before = cwd, set()
+
+    def files(self) -> set:
+        return {p.relative_to(self.cwd).as_posix() for p in self.cwd.rglob('*') if not p.is_dir()}
+
+    def start(self):
+        "Forget what is there now (inputs a test put in the folder)."
+        self.before = self.files()
+
+    def check(self, stdout, *outs) -> list:
+        """Assert that every file written since `start` is inside `outs` (the command's `--out` folders, or the single
+        files it was asked for, relative to the current folder) and that the paths printed in `stdout` are exactly the
+        files written; returns them."""
+        written = sorted(self.files() - self.before)
+        assert written, 'the command wrote nothing'
+        inside = lambda f, o: f == o or f.startswith(o.rstrip('/') + '/')
+        outside = [f for f in written if not any(inside(f, o) for o in outs)]
+        assert not outside, f"written outside {outs}: {outside}"
+        printed = set()
+        for o in outs:
+            tail = r'/[\w.\-]*[\w\-]' if (self.cwd / o).is_dir() else ''
+            printed |= set(re.findall(rf"(?<![\w/.\-]){re.escape(o.rstrip('/'))}{tail}(?![\w/\-])", stdout))
+        assert printed == set(written), f"printed {sorted(printed)}, wrote {written}"
+        self.start()
+        return written
+
+
+@pytest.fixture
+def writes_only(tmp_path, monkeypatch):
+    """An empty current folder for a command (`tmp_path / 'cwd'`); `writes_only.check(stdout, 'tinycomp_x')` then asserts
+    that the command wrote only inside its `--out` folder and printed exactly the paths of the files it wrote."""
+    cwd = tmp_path / 'cwd'
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return WritesOnly(cwd)
 
 
 def pytest_collection_modifyitems(config, items):

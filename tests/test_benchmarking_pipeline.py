@@ -15,7 +15,7 @@ from tinycomp.nn import parameter_counts
 from tinycomp.benchmarking.stages import (DEFAULT_RECIPE, STAGES, Stage, check_data, load_recipe, make_context, model_kind,
                                           run_stage, stages_help)
 from tinycomp.benchmarking.sweep import default_configurations, example_budgets, recommend, strategy_sweep
-from tinycomp.cli import build_parser, command_modules, main
+from tinycomp.cli import BENCHMARKS, COMMANDS, build_parser, main, registered
 from tinycomp.data import DataLoader, load_digits
 from tinycomp.distillation import tiny_cnn
 from tinycomp.errors import ShapeError, TinycompError
@@ -462,37 +462,40 @@ def model_file(model, tmp_path):
 
 
 def test_cli_registered():
-    mods = [m.__name__ for m in command_modules()]
-    assert 'tinycomp.benchmarking.compression' in mods and 'tinycomp.benchmarking.sweep' in mods
+    assert registered(COMMANDS)['compress'].value == 'tinycomp.benchmarking.compression:add_cli'
+    assert registered(BENCHMARKS)['strategies'].value == 'tinycomp.benchmarking.sweep:add_bench_cli'
     parser = build_parser()
-    args = parser.parse_args(['compress', 'default', '--model', 'digits_cnn', '--out', 'x.npz', '--threads', '1'])
-    assert (args.recipe, args.model, args.out, args.threads, args.seed, args.no_progress) == ('default', 'digits_cnn', 'x.npz', 1, 0, False)
-    args = parser.parse_args(['bench', 'strategies', '--epochs', '2', '--out', 'p.png'])
-    assert (args.epochs, args.out, args.model) == (2, 'p.png', 'digits_cnn_wide')
+    args = parser.parse_args(['compress', 'default', '--model', 'digits_cnn', '--threads', '1'])
+    assert (args.recipe, args.model, args.out, args.threads, args.seed, args.no_progress) == ('default', 'digits_cnn', 'tinycomp_compress', 1, 0, False)
+    args = parser.parse_args(['bench', 'strategies', '--epochs', '2', '--out', 'runs'])
+    assert (args.epochs, args.out, args.model) == (2, 'runs', 'digits_cnn_wide')
+    assert parser.parse_args(['bench', 'strategies']).out == 'tinycomp_bench'
 
 
-def test_cli_compress_writes_three_files(model_file, tmp_path, capsys):
+def test_cli_compress_writes_three_files_into_its_folder(model_file, tmp_path, writes_only, capsys):
     (tmp_path / 'r.toml').write_text('[[stage]]\nname = "fine_tune"\nepochs = 1\n\n[[stage]]\nname = "quantize_static"\n')
-    code = main(['compress', str(tmp_path / 'r.toml'), '--model', str(model_file), '--out', str(tmp_path / 'small.npz'),
-                 '--no-progress'])
+    code = main(['compress', str(tmp_path / 'r.toml'), '--model', str(model_file), '--no-progress'])   # --out tinycomp_compress
     assert code == 0
-    assert listing(tmp_path) == ['m.npz', 'r.toml', 'small.json', 'small.npz', 'small.png']
     out = capsys.readouterr().out
+    assert writes_only.check(out, 'tinycomp_compress') == ['tinycomp_compress/compression_report.json',
+                                                           'tinycomp_compress/compression_report.png', 'tinycomp_compress/m_compressed.npz']
     assert 'quantize_static' in out and 'speedup = baseline latency / candidate latency' in out
-    m = load(tmp_path / 'small.npz')
+    folder = writes_only.cwd / 'tinycomp_compress'
+    m = load(folder / 'm_compressed.npz')
     assert model_kind(m)[0] == 'quantized'
-    rep = json.loads((tmp_path / 'small.json').read_text())
+    rep = json.loads((folder / 'compression_report.json').read_text())
     assert [r['stage'] for r in rep['rows']] == ['original', 'fine_tune', 'quantize_static']
-    assert rep['rows'][-1]['file_bytes'] == (tmp_path / 'small.npz').stat().st_size
-    assert (tmp_path / 'small.png').read_bytes()[:4] == b'\x89PNG'
+    assert rep['rows'][-1]['file_bytes'] == (folder / 'm_compressed.npz').stat().st_size
+    assert rep['model_file'] == 'tinycomp_compress/m_compressed.npz'
+    assert (folder / 'compression_report.png').read_bytes()[:4] == b'\x89PNG'
 
 
-def test_cli_report_prefix(model_file, tmp_path):
-    (tmp_path / 'rep').mkdir()
-    r = compress_command([{'quantize_dynamic': {}}], model_file, tmp_path / 'q.npz', report=tmp_path / 'rep' / 'run1',
-                           progress=False, **FAST)
-    assert listing(tmp_path / 'rep') == ['run1.json', 'run1.png'] and (tmp_path / 'q.npz').exists()
-    assert r['out'] == str(tmp_path / 'q.npz')
+def test_compress_command_names_its_files_after_the_model(model_file, tmp_path):
+    r = compress_command([{'quantize_dynamic': {}}], model_file, tmp_path / 'runs' / 'q', progress=False, **FAST)
+    assert listing(tmp_path / 'runs' / 'q') == ['compression_report.json', 'compression_report.png', 'm_compressed.npz']
+    assert r['model_file'] == str(tmp_path / 'runs' / 'q' / 'm_compressed.npz') and r['model'] == str(model_file)
+    compress_command([{'quantize_dynamic': {}}], 'digits_cnn', tmp_path / 'runs' / 'q', progress=False, **FAST)
+    assert 'digits_cnn_compressed.npz' in listing(tmp_path / 'runs' / 'q')       # a pretrained model: its name
 
 
 @pytest.mark.parametrize('argv, words', [
@@ -502,19 +505,17 @@ def test_cli_report_prefix(model_file, tmp_path):
 ])
 def test_cli_bad_recipe_leaves_nothing(model_file, tmp_path, capsys, argv, words):
     (tmp_path / 'r.json').write_text(argv[0])
-    code = main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz'), '--no-progress'])
+    code = main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o'), '--no-progress'])
     assert code == 2 and words in capsys.readouterr().err
     assert listing(tmp_path) == ['m.npz', 'r.json']
 
 
 def test_cli_bad_paths(model_file, tmp_path, capsys):
-    assert main(['compress', 'default', '--model', str(model_file), '--out', str(tmp_path / 'no' / 'o.npz')]) == 2
-    assert 'does not exist' in capsys.readouterr().err
-    assert main(['compress', 'default', '--model', str(model_file), '--out', str(tmp_path)]) == 2
-    assert 'is a directory' in capsys.readouterr().err
-    assert main(['compress', 'default', '--model', 'nomodel', '--out', str(tmp_path / 'o.npz')]) == 2
+    assert main(['compress', 'default', '--model', str(model_file), '--out', str(model_file)]) == 2
+    assert 'exists and is not a directory' in capsys.readouterr().err
+    assert main(['compress', 'default', '--model', 'nomodel', '--out', str(tmp_path / 'o')]) == 2
     assert 'neither a shipped model' in capsys.readouterr().err
-    assert main(['compress', str(tmp_path / 'missing.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz')]) == 2
+    assert main(['compress', str(tmp_path / 'missing.json'), '--model', str(model_file), '--out', str(tmp_path / 'no' / 'o')]) == 2
     assert 'does not exist' in capsys.readouterr().err
     assert listing(tmp_path) == ['m.npz']
 
@@ -523,7 +524,7 @@ def test_cli_error_while_writing_leaves_nothing(model_file, tmp_path, monkeypatc
     def broken(fig, path): raise TinycompError('disk full')
     monkeypatch.setattr('tinycomp.benchmarking.compression._save_figure', broken)                   # the PNG is written after the model's temp file
     (tmp_path / 'r.json').write_text('[{"quantize_dynamic": {}}]')
-    code = main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz'), '--no-progress'])
+    code = main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o'), '--no-progress'])
     assert code == 2 and 'disk full' in capsys.readouterr().err
     assert listing(tmp_path) == ['m.npz', 'r.json']                 # the model's temporary file is gone too
 
@@ -532,7 +533,7 @@ def test_cli_error_in_a_stage_leaves_nothing(model_file, tmp_path, monkeypatch, 
     def boom(model, o, ctx): raise TinycompError('training diverged')
     monkeypatch.setitem(STAGES, 'fine_tune', Stage('fine_tune', boom, STAGES['fine_tune'].options, 'boom'))
     (tmp_path / 'r.json').write_text('[{"fine_tune": {}}]')
-    assert main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o.npz'), '--no-progress']) == 2
+    assert main(['compress', str(tmp_path / 'r.json'), '--model', str(model_file), '--out', str(tmp_path / 'o'), '--no-progress']) == 2
     assert 'training diverged' in capsys.readouterr().err
     assert listing(tmp_path) == ['m.npz', 'r.json']
 
@@ -665,17 +666,20 @@ def test_example_budgets():
     assert kws[1] == dict(max_latency_ms=1.0, min_accuracy=pytest.approx(0.985))
 
 
-def test_bench_strategies(model_file, tmp_path, monkeypatch, capsys):
+def test_bench_strategies(model_file, tmp_path, writes_only, monkeypatch, capsys):
     "The command on a tiny model with two configurations (the default sweep is what `tinycomp bench strategies` runs)."
     small = {'int8': [{'quantize_static': {}}], 'half': [{'prune_channels': {'ratio': 0.5}}, {'fine_tune': {'epochs': 1}}]}
     monkeypatch.setattr('tinycomp.benchmarking.sweep.default_configurations', lambda epochs: small)
-    code = main(['bench', 'strategies', '--model', str(model_file), '--epochs', '1', '--json', str(tmp_path / 's.json'),
-                 '--out', str(tmp_path / 's.png'), '--no-progress'])
-    assert code == 0
+    code = main(['bench', 'strategies', '--model', str(model_file), '--epochs', '1', '--json', 's.json', '--no-progress'])
+    assert code == 0                                                            # the plot goes to the default --out, tinycomp_bench
     out = capsys.readouterr().out
+    assert writes_only.check(out, 'tinycomp_bench', 's.json') == ['s.json', 'tinycomp_bench/strategies_pareto.png']
     assert 'budget: a quarter of the file' in out and 'budget: twice as fast at batch 1' in out and 'K' in out
-    d = json.loads((tmp_path / 's.json').read_text())
+    d = json.loads((writes_only.cwd / 's.json').read_text())
     assert [r['name'] for r in d['sweep']['rows']] == ['original', 'int8', 'half'] and len(d['budgets']) == 2
-    assert (tmp_path / 's.png').read_bytes()[:4] == b'\x89PNG'
-    assert main(['bench', 'strategies', '--model', str(model_file), '--out', str(tmp_path / 'no' / 's.png')]) == 2
+    assert (writes_only.cwd / 'tinycomp_bench' / 'strategies_pareto.png').read_bytes()[:4] == b'\x89PNG'
+    assert main(['bench', 'strategies', '--model', str(model_file), '--out', 's.json']) == 2
+    assert 'exists and is not a directory' in capsys.readouterr().err
+    assert main(['bench', 'strategies', '--model', str(model_file), '--json', str(tmp_path / 'no' / 's.json')]) == 2
     assert 'does not exist' in capsys.readouterr().err
+    assert writes_only.files() == {'s.json', 'tinycomp_bench/strategies_pareto.png'}

@@ -1,15 +1,19 @@
-"The tinycomp console script: command discovery, the one error path, help texts, and the commands end to end."
+"The tinycomp console script: its commands found through entry points, the one error path, help texts, and the commands end to end."
 import argparse
+import configparser
 import importlib
 import json
+import re
 import subprocess
 import sys
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
 import tinycomp
-from tinycomp.cli import build_parser, command_modules, main
+import tinycomp.cli as cli
+from tinycomp.cli import BENCHMARKS, COMMANDS, build_parser, main, registered
 from tinycomp.models import MODELS
 from tinycomp.profiling.timing import threads_arg, usable_cores
 
@@ -49,39 +53,132 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and tinycomp.__version__ in result.stdout
 
 
-# --- discovery -------------------------------------------------------------------------------------------
+# --- discovery: entry points ------------------------------------------------------------------------------
 
-def test_every_add_cli_module_is_found_and_registered():
-    found = command_modules()
-    names = [m.__name__ for m in found]
-    assert {'tinycomp.tour', 'tinycomp.conv', 'tinycomp.models'} <= set(names)
-    assert any(n == 'tinycomp.course' or n.startswith('tinycomp.course.') for n in names), names
-    assert 'tinycomp.cli' not in names and not any(part.startswith('_') for n in names for part in n.split('.'))
-    # reading the source first finds exactly what importing every module finds
-    assert names == [m.__name__ for m in command_modules(scan_source=False)]
-    registered = commands(build_parser())
-    bench = commands(registered['bench'])
-    for module in found:  # every command of every add_cli / add_bench_cli module is in the real parser
-        alone = argparse.ArgumentParser()
-        if 'add_cli' in vars(module):
-            module.add_cli(alone.add_subparsers())
-            assert set(commands(alone)) <= set(registered), module.__name__
-        else:
-            module.add_bench_cli(alone.add_subparsers())
-            assert commands(alone) and set(commands(alone)) <= set(bench), module.__name__
-    assert 'tinycomp.quantization.analysis' in names and 'quant' in bench
-    assert list(registered)[:4] == ['tour', 'bench', 'profile', 'train']  # CLI_ORDER: tour, measuring, profiling, training, course
+def settings_entry_points() -> dict:
+    "{group: {name: 'module:function'}} as settings.ini lists them (setup.py installs them under these groups)."
+    cfg = configparser.ConfigParser(delimiters=['='])
+    cfg.read(REPO / 'settings.ini', encoding='utf-8')
+    return {group: dict(ep.split('=', 1) for ep in cfg['DEFAULT'][key].split())
+            for group, key in ((COMMANDS, 'commands'), (BENCHMARKS, 'bench_commands'))}
+
+
+def registering_functions() -> set:
+    "'module:function' of every top-level `def add_...cli(` in the package's sources."
+    found = set()
+    for path in (REPO / 'tinycomp').rglob('*.py'):
+        module = '.'.join(path.relative_to(REPO).with_suffix('').parts).removesuffix('.__init__')
+        for name in re.findall(r'^def (add_\w*cli)\s*\(', path.read_text(encoding='utf-8'), re.M):
+            found.add(f"{module}:{name}")
+    return found
+
+
+def test_every_registering_function_is_an_entry_point_and_installed():
+    listed = settings_entry_points()
+    values = {v for eps in listed.values() for v in eps.values()}
+    assert registering_functions() - values == set(), "add these to settings.ini (commands or bench_commands)"
+    assert 'tinycomp.course.cli:add_test_cli' in values and 'tinycomp.conv:add_bench_cli' in values
+    for group, eps in listed.items():
+        installed = {name: ep.value for name, ep in registered(group).items()}
+        assert installed == eps, f"the installed {group} entry points differ from settings.ini: run pip install -e . again"
+        for value in eps.values():
+            module, function = value.split(':')
+            assert callable(getattr(importlib.import_module(module), function)), value
+
+
+def test_commands_are_registered_alphabetically_each_by_its_own_entry_point():
+    registered_ = commands(build_parser())
+    assert list(registered_) == sorted(settings_entry_points()[COMMANDS])
+    assert list(commands(registered_['bench'])) == sorted(settings_entry_points()[BENCHMARKS])
+    for group in (COMMANDS, BENCHMARKS):
+        for name, ep in registered(group).items():          # each function registers exactly its own command
+            sub = argparse.ArgumentParser().add_subparsers()
+            ep.load()(sub)
+            assert list(sub.choices) == [name], ep.value
 
 
 def test_commands_live_where_they_belong():
-    registered = commands(build_parser())
-    assert registered['tour'].get_default('func').__module__ == 'tinycomp.tour'
-    assert registered['train'].get_default('func').__module__ == 'tinycomp.models'
-    bench_sub = commands(registered['bench'])
+    registered_ = commands(build_parser())
+    assert registered_['tour'].get_default('func').__module__ == 'tinycomp.tour'
+    assert registered_['train'].get_default('func').__module__ == 'tinycomp.models'
+    bench_sub = commands(registered_['bench'])
     assert {'conv', 'train'} <= set(bench_sub) and bench_sub['conv'].get_default('func').__module__ == 'tinycomp.conv'   # via add_bench_cli
     assert bench_sub['train'].get_default('func').__module__ == 'tinycomp.models'                                    # via add_bench_cli
-    assert list(bench_sub)[:2] == ['conv', 'train']   # the modules' CLI_ORDER
     assert bench_sub['quant'].get_default('func').__module__ == 'tinycomp.quantization.analysis'   # via add_bench_cli
+
+
+@pytest.mark.parametrize('argv', [[name, '--help'] for name in sorted(settings_entry_points()[COMMANDS])]
+                                 + [['bench', name, '--help'] for name in sorted(settings_entry_points()[BENCHMARKS])])
+def test_every_command_and_benchmark_has_a_working_help(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: tinycomp {' '.join(argv[:-1])}"), out[:200]
+
+
+def test_running_a_command_imports_only_its_module():
+    code = ("import sys\nfrom tinycomp.cli import main\nassert main(['test', '--help']) == 0\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('tinycomp.leaderboard', 'tinycomp.onnx', 'tinycomp.quantization'))))")
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == '[]', result.stdout
+    result = run('test', '--help')
+    assert result.returncode == 0 and result.stdout.startswith('usage: tinycomp test')
+    result = run('--help')                                 # the full list, with the first step for a newcomer
+    assert result.returncode == 0 and 'Start with `tinycomp tour`' in ' '.join(result.stdout.split())
+    for name in settings_entry_points()[COMMANDS]:
+        assert re.search(rf'^    {name}\b', result.stdout, re.M), name
+
+
+def test_build_parser_loads_what_argv_names():
+    assert list(commands(build_parser(['test', '--help']))) == ['test']
+    p = build_parser(['bench', 'quant', '--repeats', '3'])
+    assert list(commands(p)) == ['bench'] and list(commands(commands(p)['bench'])) == ['quant']
+    everything = list(commands(build_parser()))
+    for argv in ([], ['--help'], ['--version'], ['no_such_command']):
+        assert list(commands(build_parser(argv))) == everything, argv
+    assert list(commands(commands(build_parser(['bench', '--help']))['bench'])) == sorted(registered(BENCHMARKS))
+
+
+def _fake_entry_points(tmp_path, monkeypatch, extra):
+    "Make tinycomp.cli see the real entry points plus `extra` {(group, name): 'module:function'}; fake modules in tmp_path."
+    _write(tmp_path / 'zz_cli_fakes.py',
+           "def add_good(sub):\n    p = sub.add_parser('zzgood', help='h', description='d')\n    p.set_defaults(func=lambda a: 7)\n"
+           "def add_none(sub): pass\n"
+           "def add_other(sub): sub.add_parser('zzsomething_else')\n"
+           "def add_bench(sub):\n    p = sub.add_parser('zzbench', help='h', description='d')\n    p.set_defaults(func=lambda a: 5)\n")
+    _write(tmp_path / 'zz_cli_broken.py', "import no_such_module_anywhere\ndef add_cli(sub): sub.add_parser('zzbroken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = cli.entry_points
+    def fake(group):
+        return [*real(group=group)] + [EntryPoint(name, value, g) for (g, name), value in extra.items() if g == group]
+    monkeypatch.setattr(cli, 'entry_points', fake)
+
+
+def test_a_broken_entry_point_warns_and_the_others_work(tmp_path, monkeypatch, capsys):
+    _fake_entry_points(tmp_path, monkeypatch, {(COMMANDS, 'zzbroken'): 'zz_cli_broken:add_cli',
+                                               (COMMANDS, 'zzgood'): 'zz_cli_fakes:add_good',
+                                               (BENCHMARKS, 'zzbench'): 'zz_cli_fakes:add_bench',
+                                               (BENCHMARKS, 'zzbrokenbench'): 'zz_cli_broken:add_cli'})
+    assert main(['--help']) == 0
+    out, err = capsys.readouterr()
+    assert 'zzgood' in out and 'tour' in out and 'zzbroken' not in out
+    assert len(err.splitlines()) == 2 and "tinycomp: warning: `tinycomp zzbroken` is unavailable: zz_cli_broken:add_cli" in err
+    assert "`tinycomp bench zzbrokenbench` is unavailable" in err and 'no_such_module_anywhere' in err
+    assert main(['zzgood']) == 7 and capsys.readouterr().err == ''          # only what runs is loaded: no warning
+    assert main(['bench', 'zzbench']) == 5 and capsys.readouterr().err == ''
+    assert main(['zzbroken']) == 2                                          # the broken one itself: warned, then argparse lists the rest
+    err = capsys.readouterr().err
+    assert 'is unavailable' in err and "invalid choice: 'zzbroken'" in err and 'tour' in err
+    assert main(['status', '--brief']) == 0
+
+
+@pytest.mark.parametrize('function, words', [('add_none', 'registered no command'),
+                                             ('add_other', "registered 'zzsomething_else'")])
+def test_an_entry_point_must_register_its_own_name(function, words, tmp_path, monkeypatch, capsys):
+    _fake_entry_points(tmp_path, monkeypatch, {(COMMANDS, 'zzwrong'): f'zz_cli_fakes:{function}'})
+    assert main(['zzwrong']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('tinycomp: error: entry point zzwrong = zz_cli_fakes:') and words in err and len(err.splitlines()) == 1
 
 
 def test_cli_registers_bench_conv_and_train():
@@ -104,30 +201,6 @@ def test_counts_below_one_are_argparse_errors(argv, capsys):
 def _write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-
-
-def test_discovery_walks_subpackages_skips_private_modules_and_survives_broken_ones(tmp_path, monkeypatch, capsys):
-    extra = tmp_path / 'extra'
-    _write(extra / 'zzfake_pkg' / '__init__.py', 'from .cmds import add_cli  # a re-export, not a definition\n')
-    _write(extra / 'zzfake_pkg' / 'cmds.py', "CLI_ORDER = 5\n"
-           "def add_cli(sub):\n    p = sub.add_parser('zzfake', help='h', description='d')\n"
-           "    p.set_defaults(func=lambda a: 7)\n")
-    _write(extra / '_zzprivate.py', "def add_cli(sub): sub.add_parser('zzprivate')\n")
-    _write(extra / 'zzbroken.py', "import no_such_module_anywhere\ndef add_cli(sub): sub.add_parser('zzbroken')\n")
-    _write(extra / 'zzplain.py', "x = 1\n")
-    monkeypatch.setattr(tinycomp, '__path__', [*tinycomp.__path__, str(extra)])
-    try:
-        names = [m.__name__ for m in command_modules()]
-        assert 'tinycomp.zzfake_pkg.cmds' in names and names[0] == 'tinycomp.zzfake_pkg.cmds'  # CLI_ORDER 5 comes first
-        assert not any('zzprivate' in n or 'zzbroken' in n or 'zzplain' in n or n == 'tinycomp.zzfake_pkg' for n in names)
-        assert 'tinycomp.zzplain' not in sys.modules  # a module without add_cli is not imported
-        assert 'commands of tinycomp.zzbroken are unavailable' in capsys.readouterr().err
-        assert main(['zzfake']) == 7
-        assert list(commands(build_parser()))[0] == 'zzfake'
-    finally:
-        for name in [n for n in sys.modules if 'zzfake' in n or 'zzbroken' in n or 'zzplain' in n]: del sys.modules[name]
-        for attr in ('zzfake_pkg', 'zzbroken', 'zzplain'):
-            if hasattr(tinycomp, attr): delattr(tinycomp, attr)
 
 
 def test_every_command_and_argument_is_described():
@@ -198,9 +271,13 @@ def test_bad_thread_count_from_the_console_script():
 
 # --- the commands end to end -----------------------------------------------------------------------------
 
-def test_tour_prints_and_saves_its_figures(tmp_path):
-    result = run('tour', '--out', str(tmp_path), '--no-progress', '--threads', '1')
+def test_tour_prints_and_saves_its_figures(writes_only):
+    result = run('tour', '--no-progress', '--threads', '1', cwd=writes_only.cwd)     # the default --out, tinycomp_tour
     assert result.returncode == 0, result.stderr
+    assert writes_only.check(result.stdout, 'tinycomp_tour') == [
+        f'tinycomp_tour/{n}' for n in ('compression_report.json', 'compression_report.png', 'critical_failures.png',
+                                       'digits_cnn_wide_compressed.npz', 'training_curve.png')]
+    tmp_path = writes_only.cwd / 'tinycomp_tour'
     for label in ('latency measured on 1 thread', 'prune_channels', 'distill', 'quantize_static', 'b64 speedup [95% CI]',
                   'ECE', 'critical failures', 'x smaller', 'x faster', 'McNemar p'):
         assert label in result.stdout, label
@@ -216,9 +293,11 @@ def test_tour_prints_and_saves_its_figures(tmp_path):
     assert model(Tensor(load_digits('test')[0][:2])).shape == (2, 10)
 
 
-def test_train_writes_a_loadable_model(tmp_path):
-    result = run('train', 'digits_cnn', '--epochs', '1', '--out', str(tmp_path), '--no-progress')
+def test_train_writes_a_loadable_model(writes_only):
+    result = run('train', 'digits_cnn', '--epochs', '1', '--no-progress', cwd=writes_only.cwd)   # --out tinycomp_train
     assert result.returncode == 0, result.stderr
+    assert writes_only.check(result.stdout, 'tinycomp_train') == ['tinycomp_train/digits_cnn.json', 'tinycomp_train/digits_cnn.npz']
+    tmp_path = writes_only.cwd / 'tinycomp_train'
     from tinycomp.io import load
     load(tmp_path / 'digits_cnn.npz')
     info = json.loads((tmp_path / 'digits_cnn.json').read_text())
@@ -232,8 +311,34 @@ def test_bad_arguments_are_argparse_errors():
     assert result.returncode == 2 and 'at least 1' in result.stderr and 'Traceback' not in result.stderr
 
 
-def test_tour_output_is_git_ignored():
-    lines = (REPO / '.gitignore').read_text().splitlines()
-    assert 'tinycomp_tour/' in lines
+def out_defaults() -> dict:
+    "{command path: default of its --out} of every command with an --out option."
+    return {path: a.default for path, p in walk(build_parser()) for a in p._actions if '--out' in a.option_strings}
+
+
+def test_every_out_is_a_folder_named_after_its_command_and_git_ignored():
+    defaults = out_defaults()
+    assert {('tour',), ('profile',), ('compress',), ('train',), ('export',), ('import',), ('bench', 'strategies')} <= set(defaults)
+    for path, default in defaults.items():
+        assert default == f"tinycomp_{path[0]}", (path, default)
+        option = next(a for p_, p in walk(build_parser()) if p_ == path for a in p._actions if '--out' in a.option_strings)
+        assert option.metavar == 'DIR' and 'folder' in option.help, path
+    assert 'tinycomp_*/' in (REPO / '.gitignore').read_text().splitlines()
     if (REPO / '.git').exists():
-        assert subprocess.run(['git', 'check-ignore', '-q', 'tinycomp_tour/digits_cnn.npz'], cwd=REPO).returncode == 0
+        for default in set(defaults.values()):
+            assert subprocess.run(['git', 'check-ignore', '-q', f'{default}/x.npz'], cwd=REPO).returncode == 0, default
+
+
+@pytest.mark.parametrize('argv, target', [
+    (['bench', 'conv', '--no-torch'], 'tinycomp.conv.conv_benchmark'),
+    (['bench', 'train', '--no-torch'], 'tinycomp.models.train_benchmark'),
+    (['bench', 'prune'], 'tinycomp.pruning.schedules.prune_benchmark'),
+    (['bench', 'quant'], 'tinycomp.quantization.analysis.quant_benchmark'),
+    (['bench', 'onnx'], 'tinycomp.onnx.cli.onnx_benchmark')])
+def test_a_benchmark_writes_only_its_json_and_says_so(argv, target, writes_only, monkeypatch, capsys):
+    "The benchmarks themselves are measured in their own tests; here: --json FILE is the one file, and it is printed."
+    from tinycomp.files import write_json
+    monkeypatch.setattr(target, lambda json_path=None, **kw: write_json({'fake': True}, json_path) if json_path else None)
+    assert main([*argv, '--json', 'results.json']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'results.json') == ['results.json']
+    assert main(argv) == 0 and writes_only.files() == {'results.json'}      # nothing without --json

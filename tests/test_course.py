@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tinycomp.cli import main
-from tinycomp.course.cli import add_cli
+from tinycomp.course.cli import (add_grade_cli, add_refs_cli, add_release_cli, add_sandbox_cli, add_status_cli,
+                                 add_test_cli)
 from tinycomp.course.gradebook import grade
 from tinycomp.course.grading import format_report, grade_notebook
 from tinycomp.course.notebooks import exported_code, find_exercises, make_notebook
@@ -350,9 +351,10 @@ def test_progress_is_recorded_per_notebook_and_shown(demo, prepared, tmp_path, m
 
 def test_cli_registers_subcommands(monkeypatch, tmp_path, capsys):
     import argparse
-    p = argparse.ArgumentParser(); add_cli(p.add_subparsers(dest='cmd'))
+    p = argparse.ArgumentParser(); sub = p.add_subparsers(dest='cmd')
+    for add in (add_test_cli, add_status_cli, add_release_cli, add_refs_cli, add_grade_cli, add_sandbox_cli): add(sub)
     for argv in (['release', '--check'], ['refs'], ['test', '01', '--notebook', 'x.ipynb', '--json', 'r.json'],
-                 ['status'], ['grade', 'dir', '--module', '01', '--out', 'g.csv']):
+                 ['status'], ['grade', 'dir', '--module', '01', '--gradebook', 'g.csv']):
         assert callable(p.parse_args(argv).func)
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path))
     assert main(['status']) == 0 and '01 tensor' in capsys.readouterr().out

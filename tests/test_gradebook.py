@@ -174,9 +174,22 @@ def test_a_learner_named_twice_is_an_error_naming_both(tmp_path, capsys):
     with pytest.raises(GradingError) as e: learners(d, SPEC)
     assert str(d / 'bob') in str(e.value) and str(d / 'bob.ipynb') in str(e.value)
     env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'k.key')}
-    r = subprocess.run([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out',
+    r = subprocess.run([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook',
                         str(tmp_path / 'g.csv'), '--no-sandbox'], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "two submissions for learner 'bob'" in r.stderr and not (tmp_path / 'g.csv').exists()
+
+
+def test_grade_and_test_write_only_the_files_they_are_asked_for(tmp_path, writes_only, monkeypatch, capsys):
+    "In an empty folder: the gradebook (default gradebook_NN.csv) and `test --json`'s report, nothing else, paths printed."
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    monkeypatch.setenv('TINYCOMP_GRADING_KEY', str(tmp_path / 'k.key'))
+    monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
+    assert main(['grade', str(d), '--module', '01', '--no-sandbox']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'gradebook_01.csv') == ['gradebook_01.csv']
+    assert float(rows_of('gradebook_01.csv')['alice']['total']) == SPEC.possible
+    assert main(['test', '01', '--notebook', str(d / 'alice'), '--json', 'report.json', '--no-sandbox']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'report.json') == ['report.json']
 
 
 # ---------------------------------------------------------------- the machine's failures are not the learner's

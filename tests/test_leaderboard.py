@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -499,7 +500,7 @@ def test_killing_the_worker_mid_job_loses_nothing(tmp_path, files):
 
 
 # ---------------------------------------------------------------- the command line
-def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, capsys, monkeypatch):
+def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, capsys, monkeypatch, writes_only):
     db = str(tmp_path / 'cli.db')
     assert main(['leaderboard', 'init', '--db', db, '--task-data', str(files['task']), '--baseline',
                  str(files['baseline']), '--name', 'tiny', '--rounds', '2']) == 0
@@ -518,10 +519,12 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     assert main(['leaderboard', 'show', '--db', db, '--json']) == 0
     assert json.loads(capsys.readouterr().out)['task'] == 'tiny'
     assert main(['leaderboard', 'show', '--db', db]) == 0 and 'closed track' in capsys.readouterr().out
-    assert main(['leaderboard', 'html', '--db', db, '--out', str(tmp_path / 'p.html')]) == 0
-    assert '<svg' in (tmp_path / 'p.html').read_text()
-    assert main(['leaderboard', 'export', '--db', db, '--csv', str(tmp_path / 'e.csv'), '--json', str(tmp_path / 'e.json')]) == 0
-    assert (tmp_path / 'e.csv').read_text().startswith('id,name')
+    writes_only.start()                                                     # the database is written where --db says
+    assert main(['leaderboard', 'html', '--db', db, '--page', 'p.html']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'p.html') == ['p.html'] and '<svg' in Path('p.html').read_text()
+    assert main(['leaderboard', 'export', '--db', db, '--csv', 'e.csv', '--json', 'e.json']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'e.csv', 'e.json') == ['e.csv', 'e.json']
+    assert Path('e.csv').read_text().startswith('id,name')
     assert main(['leaderboard', 'remove', '1', '--reason', 'test', '--db', db]) == 0 and 'removed' in capsys.readouterr().out
     assert main(['leaderboard', 'close', '--db', db]) == 0
     assert main(['leaderboard', 'worker', '--db', db, '--once', '--in-process']) == 0
@@ -540,10 +543,10 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     assert 'TINYCOMP_TOKEN' in capsys.readouterr().err
 
 
-def test_cli_is_registered_in_order():
-    from tinycomp.cli import build_parser, command_modules
-    names = [m.__name__ for m in command_modules()]
-    assert 'tinycomp.leaderboard.cli' in names and lb_cli.CLI_ORDER == 40
+def test_cli_is_registered_by_its_entry_points():
+    from tinycomp.cli import COMMANDS, build_parser, registered
+    eps = registered(COMMANDS)
+    assert eps['leaderboard'].load() is lb_cli.add_leaderboard_cli and eps['submit'].load() is lb_cli.add_submit_cli
     sub = next(a for a in build_parser()._actions if a.dest == 'command')
     assert {'leaderboard', 'submit'} <= set(sub.choices)
     lb_sub = next(a for a in sub.choices['leaderboard']._actions if a.dest == 'lb_command')

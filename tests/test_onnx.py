@@ -471,24 +471,29 @@ def test_import_handles_constants_matmul_bias_and_flattening_reshape(tmp_path):
 
 # --- commands and benchmark ---------------------------------------------------------------------------------
 
-def test_cli_export_and_import(models, tmp_path, capsys):
+def test_cli_export_and_import(models, tmp_path, writes_only, capsys):
     from tinycomp.io import load, save
     f = save(models['int8'], tmp_path / 'q.npz')
-    assert main(['export', str(f), '--onnx', str(tmp_path / 'q.onnx'), '--form', 'qlinear']) == 0
+    assert main(['export', str(f), '--form', 'qlinear']) == 0                              # --out tinycomp_export
     out = capsys.readouterr().out
     assert 'QLinearConv' in out and 'onnx.checker (full) passed' in out
-    assert main(['export', 'digits_cnn_wide', '--onnx', str(tmp_path / 'w.onnx'), '--input-shape', '2,1,8,8']) == 0
-    assert main(['import', str(tmp_path / 'w.onnx'), '--out', str(tmp_path / 'w.npz')]) == 0
-    assert 'imported 14 layers' in capsys.readouterr().out
-    back = load(tmp_path / 'w.npz').eval()
+    assert writes_only.check(out, 'tinycomp_export') == ['tinycomp_export/q.onnx']
+    assert main(['export', 'digits_cnn_wide', '--out', 'onnx', '--input-shape', '2,1,8,8']) == 0
+    assert writes_only.check(capsys.readouterr().out, 'onnx') == ['onnx/digits_cnn_wide.onnx']
+    assert main(['import', 'onnx/digits_cnn_wide.onnx']) == 0                             # --out tinycomp_import
+    out = capsys.readouterr().out
+    assert 'imported 14 layers' in out and writes_only.check(out, 'tinycomp_import') == ['tinycomp_import/digits_cnn_wide.npz']
+    back = load('tinycomp_import/digits_cnn_wide.npz').eval()
     with no_grad(): np.testing.assert_array_equal(back(Tensor(X_TEST)).data, models['wide'](Tensor(X_TEST)).data)
-    for argv, msg in ((['export', 'nope.npz', '--onnx', str(tmp_path / 'x.onnx')], 'neither a shipped model'),
-                      (['export', 'digits_cnn', '--onnx', str(tmp_path / 'x.onnx'), '--input-shape', '1,a'], 'integers'),
-                      (['import', str(f), '--out', str(tmp_path / 'x.npz')], 'not an ONNX model'),
-                      (['import', str(tmp_path / 'w.onnx'), '--out', str(tmp_path / 'x.npz'), '--max-bytes', '10'], 'allowed')):
+    for argv, msg in ((['export', 'nope.npz', '--out', 'x'], 'neither a shipped model'),
+                      (['export', 'digits_cnn', '--out', 'x', '--input-shape', '1,a'], 'integers'),
+                      (['export', 'digits_cnn', '--out', str(f)], 'exists and is not a directory'),
+                      (['import', str(f), '--out', 'x'], 'not an ONNX model'),
+                      (['import', 'onnx/digits_cnn_wide.onnx', '--out', 'x', '--max-bytes', '10'], 'allowed')):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith('tinycomp: error:') and msg in err and err.count('\n') == 1, err
+    assert not (writes_only.cwd / 'x').exists()                                           # a failed command leaves no folder
 
 
 def test_bench_onnx_command(monkeypatch, tmp_path, capsys):

@@ -208,11 +208,12 @@ def test_hardware_profile_keys_and_csv_files(tmp_path):
 
 # --- the command line ------------------------------------------------------------------------------------
 
-def test_profile_command_end_to_end(tmp_path, capsys):
-    out = tmp_path / 'prof'
-    assert main(['profile', '--batch', '8', '--repeats', '3', '--out', str(out), '--trace', '--roofline']) == 0
+def test_profile_command_end_to_end(writes_only, capsys):
+    out = writes_only.cwd / 'tinycomp_profile'                                      # the default --out
+    assert main(['profile', '--batch', '8', '--repeats', '3', '--trace', '--roofline']) == 0
     printed = capsys.readouterr().out
     assert 'Conv2d' in printed and 'total:' in printed and 'bottleneck' in printed
+    assert len(writes_only.check(printed, 'tinycomp_profile')) == 4                 # nothing else, every path printed
     assert sorted(p.name for p in out.iterdir()) == ['hardware_totals.csv', 'operator_profile.csv', 'roofline.png', 'trace.json']
     trace = json.loads((out / 'trace.json').read_text())
     assert len(trace['traceEvents']) == 1 + 7
@@ -224,7 +225,8 @@ def test_profile_command_sweeps_and_model_files(tmp_path, capsys):
     assert main(['profile', str(path), '--batch', '2', '--repeats', '2', '--out', str(tmp_path / 'a'), '--sweep', 'threads',
                  '--threads', '1']) == 0
     assert thread_info()['numba'] == before
-    assert (tmp_path / 'a' / 'thread_sweep.png').exists() and 'BatchNorm2d' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert (tmp_path / 'a' / 'thread_sweep.png').exists() and 'BatchNorm2d' in printed and str(tmp_path / 'a' / 'thread_sweep.png') in printed
     assert main(['profile', 'digits_cnn', '--batch', '2', '--repeats', '2', '--out', str(tmp_path / 'b'), '--sweep', 'batch']) == 0
     assert (tmp_path / 'b' / 'batch_sweep.png').exists() and 'knee' in capsys.readouterr().out
 
@@ -279,7 +281,7 @@ def test_profile_output_is_git_ignored():
     from pathlib import Path
     import subprocess
     repo = Path(__file__).resolve().parents[1]
-    assert 'tinycomp_profile/' in (repo / '.gitignore').read_text().splitlines()
+    assert 'tinycomp_*/' in (repo / '.gitignore').read_text().splitlines()
     if (repo / '.git').exists():
         assert subprocess.run(['git', 'check-ignore', '-q', 'tinycomp_profile/operator_profile.csv'], cwd=repo).returncode == 0
 

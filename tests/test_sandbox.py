@@ -257,7 +257,7 @@ def test_an_interrupted_gradebook_keeps_its_rows_and_resumes(tmp_path):
     good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
     out = tmp_path / 'gradebook.csv'
     env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'keys' / 'course.key')}
-    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--out', str(out), '--no-sandbox']
+    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook', str(out), '--no-sandbox']
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == -signal.SIGKILL and 'not tamper-proof' in r.stderr and 'created the grading key' in r.stderr
     rows = {r['learner']: r for r in csv.DictReader(out.open())}

@@ -19,11 +19,9 @@ from .client import submit_remote
 from .app import LEADERBOARD_EXTRA, serve
 
 # %% auto #0
-__all__ = ['CLI_ORDER', 'format_submission', 'format_leaderboard', 'submit_local', 'add_serve_cli', 'add_cli']
+__all__ = ['format_submission', 'format_leaderboard', 'submit_local', 'add_serve_action', 'add_leaderboard_cli', 'add_submit_cli']
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #c3587446
-CLI_ORDER = 40                     # after compress (35), before the course commands (50)
-
 def format_submission(sub) -> str:
     "A few lines about one submission for the terminal: status, and the scores and ranks once measured."
     head = f"#{sub['id']} by {sub['name']} ({sub['date']}): {sub['status']}"
@@ -70,12 +68,12 @@ def submit_local(store, model_path, token, log=print) -> dict:
     return sub
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #f1c94bcc
-def _write_page(store, out, private=None) -> Path:
-    out = Path(out)
-    if out.is_dir(): raise TinycompError(f"--out {out} is a folder; give a file name")
-    if not out.parent.is_dir(): raise TinycompError(f"--out {out}: the folder {out.parent} does not exist")
-    with atomic_write(out) as f: f.write(render_page(store, private).encode('utf-8'))
-    return out
+def _write_page(store, page, private=None) -> Path:
+    page = Path(page)
+    if page.is_dir(): raise TinycompError(f"--page {page} is a folder; give a file name")
+    if not page.parent.is_dir(): raise TinycompError(f"--page {page}: the folder {page.parent} does not exist")
+    with atomic_write(page) as f: f.write(render_page(store, private).encode('utf-8'))
+    return page
 
 def _token_arg(args) -> str:
     token = args.token or os.environ.get('TINYCOMP_TOKEN')
@@ -111,8 +109,8 @@ def _run_lb(args) -> int:
         lb = store.leaderboard(True if args.private else None)
         print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb))
     elif a == 'html':
-        out = _write_page(open_store(args.db), args.out, True if args.private else None)
-        print(f"wrote {out}")
+        page = _write_page(open_store(args.db), args.page, True if args.private else None)
+        print(f"wrote {page}")
     elif a == 'export':
         store = open_store(args.db)
         if not args.csv and not args.json: raise TinycompError("give --csv FILE and/or --json FILE")
@@ -146,7 +144,7 @@ def _serve_command(args) -> int:
     return 0
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #2185a3f6
-def add_serve_cli(leaderboard_subparsers):
+def add_serve_action(leaderboard_subparsers):
     "Register `tinycomp leaderboard serve --db PATH [--host 127.0.0.1] [--port N]`."
     p = leaderboard_subparsers.add_parser(
         'serve', help='run the leaderboard web server and its measurement worker',
@@ -162,8 +160,8 @@ def add_serve_cli(leaderboard_subparsers):
     p.set_defaults(func=_serve_command)
     return p
 
-def add_cli(subparsers):
-    "Register `tinycomp leaderboard ...` and `tinycomp submit` on an argparse `subparsers` object."
+def add_leaderboard_cli(subparsers):
+    "Register `tinycomp leaderboard ACTION ...` on an argparse `subparsers` object; returns its parser."
     lb = subparsers.add_parser('leaderboard', help='run a compression leaderboard for a class (instructor)',
                                description='Create and run a leaderboard: the organiser measures every submitted model '
                                            'against the baseline in the same run; nothing a client claims is used.')
@@ -191,7 +189,7 @@ def add_cli(subparsers):
     p.add_argument('--private', action='store_true', help='private scores even before closing (instructor only)')
     p = action('html', 'write the static page (host it anywhere)', 'Write the leaderboard page: one self-contained '
                'HTML file (tables, Pareto plots, histories; no external resources), atomically.')
-    p.add_argument('--out', required=True, metavar='FILE', help='where to write the page (.html)')
+    p.add_argument('--page', required=True, metavar='FILE', help='the page to write (.html), e.g. in the folder your web server serves')
     p.add_argument('--private', action='store_true', help='private scores even before closing')
     p = action('export', 'export every submission and measurement as CSV and/or JSON',
                'Export the submissions (public and private metrics side by side) as CSV, and/or everything including '
@@ -210,8 +208,12 @@ def add_cli(subparsers):
                'process with a hard time budget; jobs left half-measured by a killed worker are measured again.')
     p.add_argument('--once', action='store_true', help='stop when the queue is empty')
     p.add_argument('--in-process', action='store_true', help='measure in this process (no hard time budget)')
-    add_serve_cli(sub)
+    add_serve_action(sub)
     lb.set_defaults(func=lambda args: _run_lb(args) if args.lb_command else (lb.print_help(), 0)[1])
+    return lb
+
+def add_submit_cli(subparsers):
+    "Register `tinycomp submit MODEL_FILE` on an argparse `subparsers` object; returns its parser."
     s = subparsers.add_parser('submit', help='submit a model file to a leaderboard (learner)',
                               description='Submit a tinycomp model file: the leaderboard measures it against the '
                                           'baseline and prints its scores and rank.')
@@ -222,4 +224,4 @@ def add_cli(subparsers):
     s.add_argument('--token', metavar='T', help='your token (default: the environment variable TINYCOMP_TOKEN)')
     s.add_argument('--no-progress', action='store_true', help='no progress output while uploading and waiting')
     s.set_defaults(func=_run_submit)
-    return lb
+    return s
