@@ -271,6 +271,7 @@ def test_bad_thread_count_from_the_console_script():
 
 # --- the commands end to end -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tour_prints_and_saves_its_figures(writes_only):
     result = run('tour', '--no-progress', '--threads', '1', cwd=writes_only.cwd)     # the default --out, tinycomp_tour
     assert result.returncode == 0, result.stderr
@@ -293,6 +294,7 @@ def test_tour_prints_and_saves_its_figures(writes_only):
     assert model(Tensor(load_digits('test')[0][:2])).shape == (2, 10)
 
 
+@pytest.mark.slow
 def test_train_writes_a_loadable_model(writes_only):
     result = run('train', 'digits_cnn', '--epochs', '1', '--no-progress', cwd=writes_only.cwd)   # --out tinycomp_train
     assert result.returncode == 0, result.stderr

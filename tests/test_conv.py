@@ -99,6 +99,7 @@ def test_conv2d_forward_matches_reference(cfg):
     np.testing.assert_allclose(out.data, ref_conv(x, wt, b, stride, padding, dilation, groups), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_conv2d_backward_matches_finite_differences(cfg):
     n, c, h, w, cout, k, stride, padding, dilation, groups = cfg

@@ -383,6 +383,7 @@ def test_metadata_claiming_a_score_is_never_used(tmp_path, files):
 
 
 # ---------------------------------------------------------------- the worker
+@pytest.mark.slow
 def test_measure_rank_rescore_and_export(tmp_path, files):
     s = make_store(tmp_path, files)
     ann, ben = s.issue_token('ann'), s.issue_token('<script>alert(1)</script>')
@@ -426,6 +427,7 @@ def test_measure_rank_rescore_and_export(tmp_path, files):
     assert page.count('class="best"') == 2 * len(board['tracks']['open'])    # each best entry, in both plots
 
 
+@pytest.mark.slow
 def test_close_remove_and_history(tmp_path, files):
     s = make_store(tmp_path, files)
     ann = s.issue_token('ann')
@@ -479,6 +481,7 @@ def test_isolated_measurement_and_the_time_budget(tmp_path, files):
     assert b['id'] not in {e['id'] for e in s.entries()}
 
 
+@pytest.mark.slow
 def test_killing_the_worker_mid_job_loses_nothing(tmp_path, files):
     s = make_store(tmp_path, files, rounds=400, calls=5)        # a long job, so the kill lands inside it
     tok = s.issue_token('ann')

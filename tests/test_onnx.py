@@ -260,6 +260,7 @@ def test_int8_is_exact_on_avx2_kernels_under_emulation(models, tmp_path, qemu_x8
     print('int8 x int8 QDQ on the emulated AVX2 CPU (not our export form):', lsb_diff(ours, outs[2], scale))
 
 
+@pytest.mark.slow
 def test_a_pytorch_model_is_compressed_by_the_pipeline(tmp_path):
     "The model trained in PyTorch goes through module 07's pipeline: channels pruned, distilled, int8; measured; exported."
     from tinycomp.benchmarking import compress

@@ -141,6 +141,7 @@ def test_largest_batch_error_when_batch_one_does_not_fit():
     assert '14' in str(e.value) and '12.5' in str(e.value) and 'batch of 1' in str(e.value)
 
 
+@pytest.mark.slow
 def test_auto_adjust_batch_size_by_measurement():
     model = load_pretrained('digits_cnn')
     b = auto_adjust_batch_size(model, 1.0, max_batch=512)
@@ -208,6 +209,7 @@ def test_hardware_profile_keys_and_csv_files(tmp_path):
 
 # --- the command line ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_profile_command_end_to_end(writes_only, capsys):
     out = writes_only.cwd / 'tinycomp_profile'                                      # the default --out
     assert main(['profile', '--batch', '8', '--repeats', '3', '--trace', '--roofline']) == 0

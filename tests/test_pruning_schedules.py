@@ -264,6 +264,7 @@ def test_compress_to_size_impossible(val):
 
 
 # --- bench prune ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_prune_cli(tmp_path, capsys):
     from tinycomp.cli import main
     out = tmp_path / 'prune.json'

@@ -426,6 +426,7 @@ def test_unavailable_level_is_refused(monkeypatch):
     assert K.pack_conv_weights(wq).level == 'loops'
 
 
+@pytest.mark.slow
 def test_drivers_come_from_numbas_cache_in_a_new_process():
     "The int8 drivers are closures; keyed by variant, a second process loads them instead of compiling them again."
     import subprocess, sys, textwrap
@@ -449,6 +450,7 @@ def test_drivers_come_from_numbas_cache_in_a_new_process():
     assert used >= 1 and hits >= 1 and misses == 0, (hits, misses, used)
 
 
+@pytest.mark.slow
 def test_driver_variants_from_the_cache_keep_their_own_environment(tmp_path):
     """Two driver variants compiled first thing in two processes must not share a name when a third process loads
     both from the cache (the second one crashed with 'descr is NULL', or could read the other's constants)."""

@@ -12,14 +12,15 @@ from tinycomp.course.runner import Budget, run_jobs, wall_cap
 from tinycomp.course.sandbox import TreeClock, TreeLimit, _descendants, _process_cpu
 from tinycomp.course.spec import get_spec
 
+import pytest
+
+pytestmark = pytest.mark.grader
+
 ROOT = Path(__file__).resolve().parent.parent
 
 REFERENCE = '''
 import time
 import numpy as np
-import pytest
-
-pytestmark = pytest.mark.grader
 def spin(x, seconds):
     "Burn `seconds` of CPU time, then return 2 * x."
     t = time.process_time()
