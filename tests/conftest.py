@@ -88,8 +88,10 @@ def writes_only(tmp_path, monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     """Markers that follow from what a test uses: Chromium makes it `browser`, QEMU `emulated`, the sandbox `grader`,
-    and each of these `slow`; a test parametrised by a learner module's `key` belongs to that module."""
+    and each of these `slow`; a test parametrised by a learner module's `key` belongs to that module. The first-hour
+    test is `slow` too: it runs the learner's install, which has no pytest, so it cannot import a marker itself."""
     for item in items:
+        if item.path.name == 'test_first_hour.py': item.add_marker('slow')
         uses = set(getattr(item, 'fixturenames', ()))
         if 'chromium' in uses: item.add_marker('browser')
         if 'qemu_x86' in uses: item.add_marker('emulated')

@@ -6,9 +6,6 @@ README's learner install, which has Jupyter but neither pytest nor nbdev."""
 import json
 import sys
 from pathlib import Path
-import pytest
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 FIRST = ROOT / 'modules' / '01_tensor' / '01a_tensor.ipynb'
