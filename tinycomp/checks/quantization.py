@@ -258,7 +258,9 @@ def _run_requant(ns, i):
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
 MODULE = ModuleSpec('04', 'quantization', reference=(
-    'tinycomp.quantization.core', 'tinycomp.quantization.kernels', 'tinycomp.quantization.models'), checks=[
+    'tinycomp.quantization.core', 'tinycomp.quantization.kernels', 'tinycomp.quantization.models'),
+    set_aside={'multiply_by_quantized_multiplier': ('_mbqm',)},    # the scalar Numba version part b provides
+    checks=[
     Check('calculate_qparams', 'asymmetric_int8', 1, _qparams_inputs('int8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'asymmetric_uint8', 1, _qparams_inputs('uint8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'symmetric_int8', 1, _qparams_inputs('int8', True), _run_qparams, exact_dtype=True),
