@@ -339,3 +339,16 @@ def test_no_input_generator_holds_solution_code(tmp_path):
              + 'def to_csr(dense): return _to_csr_through_the_generators(_ck, dense)\n')
     r = grade_notebook(get_spec('05'), _student_with_cell(tmp_path, '05', cheat), prepared=_prepared('05'))
     assert points(r)['to_csr'] == 0 and 'no generator converts' in next(e for e in r.exercises if e.name == 'to_csr').diagnosis
+
+
+@pytest.mark.parametrize('key', KEYS)
+def test_every_helper_set_aside_is_a_function_the_module_defines_for_an_exercise_it_has(key):
+    "A name set aside that the learner's code does not define would protect nothing: each is a top-level function there."
+    import ast
+    from tinycomp.course.grading import _learner_code
+    spec = get_spec(key)
+    _, code, _ = _learner_code(spec, student_folder(key))
+    defined = {n.name for n in ast.parse(code).body if isinstance(n, ast.FunctionDef)}
+    assert set(spec.set_aside) <= set(spec.exercise_names())
+    for exercise, names in spec.set_aside.items():
+        assert exercise not in names and set(names) <= defined, (exercise, set(names) - defined)

@@ -118,7 +118,9 @@ def test_the_seed_depends_on_the_key_the_learner_and_the_notebook(tmp_path):
 
 def test_the_grading_key_is_made_private_once_and_checked(tmp_path, capsys):
     path = tmp_path / 'keys' / 'course.key'
-    key = grading_key(path)
+    with pytest.raises(GradingError, match='no grading key at .*course.key: check the path'): grading_key(path)   # a typo
+    assert not path.exists()
+    key = grading_key(path, create=True)
     assert len(key) == 32 and oct(path.stat().st_mode & 0o777) == '0o600' and 'created the grading key' in capsys.readouterr().err
     assert grading_key(path) == key and capsys.readouterr().err == ''               # read, not made again
     os.chmod(path, 0o644)
@@ -205,7 +207,7 @@ def test_a_row_the_machine_was_too_busy_for_is_marked_and_graded_again(tmp_path,
     (d / 'alice' / SOLUTIONS[0].name).write_text(json.dumps(nb))
     out = tmp_path / 'gradebook.csv'
     monkeypatch.setattr(runner.Budget, 'spent', lambda self: 'starved')        # every step: the machine gave no CPU
-    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 1        # not complete: exit code 1
     row = rows_of(out)['alice']
     assert row['complete'] == 'no' and 'machine was too busy' in row['errors'] and 'not complete' in capsys.readouterr().out
     monkeypatch.undo()
@@ -221,3 +223,78 @@ def test_an_answer_table_gains_nothing_under_tinycomp_test_either(tmp_path, monk
     cheat = answer_table_notebooks(tmp_path / 'mallory', 4242)
     assert main(['test', '01', '--notebook', str(cheat), '--json', str(tmp_path / 'r.json')]) == 1
     assert json.loads((tmp_path / 'r.json').read_text())['points'] == 0
+
+
+def test_a_backup_beside_a_notebook_is_refused_for_that_learner_only(tmp_path, capsys):
+    "Two notebooks for one part would merge (the later overwriting the earlier): the row says which, the class goes on."
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    copy_solutions(d / 'bob')
+    (d / 'bob' / '01A_tensor_backup.IPYNB').write_text(SOLUTIONS[0].read_text())     # any case counts
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
+    rows = rows_of(out)
+    assert float(rows['alice']['total']) == SPEC.possible and float(rows['bob']['total']) == 0
+    assert 'two notebooks for part 01a' in rows['bob']['errors'] and '01A_tensor_backup.IPYNB' in rows['bob']['errors']
+    assert main(['test', '01', '--notebook', str(d / 'bob'), '--no-record', '--no-sandbox']) == 2     # test says so too
+    assert 'two notebooks for part 01a' in capsys.readouterr().err
+
+
+def test_a_changed_submission_and_a_grader_error_are_graded_again(tmp_path, monkeypatch, capsys):
+    from tinycomp.course import gradebook
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice'); copy_solutions(d / 'bob')
+    (d / 'notes.zip').write_bytes(b'PK')                                 # a stray file: named, not graded
+    out = tmp_path / 'gradebook.csv'
+    real = gradebook.grade_notebook
+    def flaky(spec, nbs, **kw):
+        if 'bob' in str(nbs[0]): raise RuntimeError('the grader broke')
+        return real(spec, nbs, **kw)
+    monkeypatch.setattr(gradebook, 'grade_notebook', flaky)
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 1
+    rows = rows_of(out)
+    assert rows['bob']['complete'] == 'no' and 'grader error: RuntimeError: the grader broke' in rows['bob']['errors']
+    assert 'not a notebook or a folder, so not graded: notes.zip' in capsys.readouterr().err
+    monkeypatch.undo()
+    alice = d / 'alice' / SOLUTIONS[0].name                              # alice hands in her student version instead
+    alice.write_text((ROOT / 'modules' / SPEC.folder / SOLUTIONS[0].name).read_text())
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    assert '0 learner(s) already graded, 2 to go' in capsys.readouterr().out
+    again = rows_of(out)
+    assert float(again['bob']['total']) == SPEC.possible and again['bob']['complete'] == 'yes'
+    assert float(again['alice']['total']) < float(rows['alice']['total']) and again['alice']['submission'] != rows['alice']['submission']
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0      # the control: nothing changed, nothing graded
+    assert '2 learner(s) already graded, 0 to go' in capsys.readouterr().out and rows_of(out) == again
+
+
+def test_ctrl_c_stops_every_child_and_keeps_the_finished_rows(tmp_path):
+    import signal, time
+    from tinycomp.course.sandbox import _descendants
+    below = lambda pid: _descendants(pid)[1:]
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    copy_solutions(d / 'zoe')
+    nb = json.loads((d / 'zoe' / SOLUTIONS[0].name).read_text())       # zoe's import computes for a long time
+    nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
+                        'source': '#| export\nwhile True: pass'})
+    (d / 'zoe' / SOLUTIONS[0].name).write_text(json.dumps(nb))
+    out, scratch = tmp_path / 'gradebook.csv', tmp_path / 'tmp'
+    scratch.mkdir()
+    env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'course.key'), 'TMPDIR': str(scratch)}
+    p = subprocess.Popen([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook', str(out),
+                          '--no-sandbox', '--new-key'], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:                               # until alice is in and zoe's child spins
+            if out.exists() and 'alice' in rows_of(out) and below(p.pid): break
+            time.sleep(0.2)
+        kids = below(p.pid)
+        assert kids, 'no grading child to interrupt'
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None: p.kill()
+    assert p.returncode == 130 and 'interrupted' in err and 'run the same command to go on' in err, err
+    assert not [k for k in kids if Path(f'/proc/{k}').exists()], 'a grading child outlived the grader'
+    assert set(rows_of(out)) == {'alice'} and float(rows_of(out)['alice']['total']) == SPEC.possible
+    assert list(scratch.iterdir()) == []                                 # every working folder removed

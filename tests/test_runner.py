@@ -4,6 +4,7 @@ the grader's failure, and what a check counts (oracle calls) is counted by the p
 import copy, json, os, subprocess, sys, time
 from pathlib import Path
 
+import pytest
 
 from tinycomp.course.grading import format_report, grade_notebook
 from tinycomp.course.notebooks import read_notebook
@@ -11,8 +12,6 @@ from tinycomp.course.refs import prepare_checks, refs
 from tinycomp.course.runner import Budget, run_jobs, wall_cap
 from tinycomp.course.sandbox import TreeClock, TreeLimit, _descendants, _process_cpu
 from tinycomp.course.spec import get_spec
-
-import pytest
 
 pytestmark = pytest.mark.grader
 
@@ -187,3 +186,17 @@ def test_calls_are_counted_by_the_grader_where_the_learners_code_cannot_reach(tm
     e = next(e for e in r.exercises if e.name == 'largest_batch')
     assert e.points == 0, e.diagnosis
     assert 'few_calls: expected 1, got 0' in e.diagnosis     # the results themselves were right: only the count fails
+
+
+def test_set_aside_stubs_only_the_named_top_level_functions_and_keeps_every_line():
+    from tinycomp.course.runner import set_aside
+    code = ("import functools\n@functools.lru_cache\ndef _fast(x):\n    return x + 1\n\n"
+            "def exercise(x):\n    return _fast(x)\n\nclass K:\n    def _fast(self): return 2\nshortcut = _fast\n")
+    out = set_aside(code, ('_fast',), 'exercise')
+    assert len(out.split('\n')) == len(code.split('\n'))                   # the learner's line numbers still hold
+    ns = {}; exec(compile(out, 'learner.py', 'exec'), ns)
+    with pytest.raises(NotImplementedError, match='`_fast` is set aside while `exercise` is graded'): ns['exercise'](1)
+    with pytest.raises(NotImplementedError): ns['shortcut'](1)             # a reference taken at import time is the stub
+    assert ns['K']()._fast() == 2                                           # a method of the same name is not touched
+    assert set_aside(code, (), 'exercise') == code and set_aside('def (:', ('_fast',), 'e') == 'def (:'
+    ns = {}; exec(code, ns); assert ns['exercise'](1) == 2                  # the control: the original answers

@@ -268,7 +268,7 @@ def test_an_interrupted_gradebook_keeps_its_rows_and_resumes(tmp_path):
     assert r.returncode == 0 and 'resuming' in r.stdout and '2 learner(s) already graded, 1 to go' in r.stdout
     rows2 = {r['learner']: r for r in csv.DictReader(out.open())}
     assert set(rows2) == {'alice', 'bob', 'carol'} and rows2['alice'] == rows['alice']
-    r = subprocess.run(cmd + ['--key-file', str(tmp_path / 'keys' / 'other.key')], capture_output=True, text=True,
+    r = subprocess.run(cmd + ['--key-file', str(tmp_path / 'keys' / 'other.key'), '--new-key'], capture_output=True, text=True,
                        timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 2 and 'was graded with another grading key' in r.stderr
 
@@ -319,7 +319,8 @@ def whole_module_dependencies(monkeypatch):
 
 EXEC_DEPENDENCY_FILES = r'''
 import glob as _glob, os as _os
-for _d in (_os.getcwd(), _os.path.dirname(_os.getcwd()), _os.environ.get('HOME', '.'), '/tmp'):
+_here = _os.path.dirname(_os.path.abspath(__file__))                  # the child's folder, beside its job file
+for _d in {_here, _os.path.dirname(_here), _os.getcwd(), _os.environ.get('HOME', '.'), '/tmp'} - {'/'}:
     for _p in _glob.glob(_os.path.join(_d, '**', '*.py'), recursive=True)[:50]:
         if 'learner_' in _p: continue
         try: exec(open(_p).read(), globals())
@@ -446,7 +447,135 @@ def test_the_grading_key_is_hidden_even_inside_a_visible_folder(sandbox, tmp_pat
     work = tmp_path / 'w'; work.mkdir()
     code = [sys.executable, '-c', f"print(open({str(key)!r}).read())"]
     run = lambda hidden: subprocess.run(sandbox_args(work, package_dir(), hidden_files=hidden, read_only=[shared]) + code,
-                                        env=sandbox_env(work), capture_output=True, text=True, timeout=60)
+                                        env=sandbox_env(), capture_output=True, text=True, timeout=60)
     hidden = run([key])
     assert 'ab' * 32 not in hidden.stdout and ('Permission denied' in hidden.stderr or hidden.stdout.strip() == '')
     assert run([]).stdout.strip() == 'ab' * 32                            # the control: the folder is visible
+
+
+# ---------------------------------------------------------------- the verdict is the parent's
+
+FORGE_VERDICTS = r'''
+import tinycomp.course.child as _c
+_send = _c._send
+def _forged(out, header, payload=b''):
+    if header.get('event') in ('result', 'error'):            # every result becomes an "error" that claims a pass,
+        header, payload = {'event': 'error', 'job': header.get('job'), 'status': 'pass', 'grader': True,   # a busy machine,
+                           'restart': True, 'phase': 'import', 'calls': [], 'message': 'FORGED'}, b''  # a retry...
+    _send(out, header, payload)
+_c._send = _forged
+'''
+
+FORGE_IMPORT = r'''
+import os as _os, sys as _sys
+from tinycomp.course.child import frame as _frame
+_os.write(int(_sys.argv[3]), _frame({'event': 'import_error', 'status': 'pass', 'message': ['not', 'text'], 'file_line': 'x'}))
+_os._exit(0)
+'''
+
+
+def test_a_child_cannot_forge_its_verdict(sandbox, tmp_path):
+    "Whatever a child writes on the channel, only a result the parent compared can pass, and retries stay bounded."
+    import time
+    t0 = time.monotonic()
+    r = grade_notebook(SPEC, student_with(tmp_path / 'v', FORGE_VERDICTS), prepared=prepared(), sandbox=True)
+    assert r.points == 0 and r.complete and time.monotonic() - t0 < 120, points(r)
+    assert all(e.status == 'error' and 'FORGED' in e.diagnosis for e in r.exercises)   # the frames did arrive
+    r = grade_notebook(SPEC, student_with(tmp_path / 'i', FORGE_IMPORT), prepared=prepared(), sandbox=True)
+    assert r.points == 0 and r.error.startswith("importing your notebook's code failed") and r.to_json()['points'] == 0
+
+
+FILL_THE_DISK = r'''
+import os as _os
+_wrote, _refused = 0, []
+def _write(path, mib):
+    global _wrote
+    with open(path, 'wb') as f:
+        for _ in range(mib): f.write(b'\1' * (1 << 20)); _wrote += 1
+try: _write('big', 100)                                       # one file past the per-file limit
+except OSError as _e: _refused.append(_e.strerror); _os.remove('big'); _wrote = 0
+PLACES = (_os.getcwd(), _os.environ.get('HOME', '.'), _os.path.dirname(_os.path.abspath(__file__)))
+for _k, _where in enumerate(PLACES):
+    try:
+        for _i in range(40): _write(_os.path.join(_where, f'fill{_k}_{_i}'), 48)    # 1.9 GiB in files under that limit
+    except OSError as _e: _refused.append(_e.strerror)
+raise RuntimeError(f'FILL wrote {_wrote} MiB, refused: {sorted(set(_refused))}')
+'''
+ONLY_ITS_FOLDER = FILL_THE_DISK.replace('PLACES = (', 'PLACES = (_os.getcwd(),) or (').replace('range(40)', 'range(1)')
+
+
+def test_a_child_cannot_fill_a_disk_or_change_its_folder(tree_limit, tmp_path):
+    "It writes only to a private scratch of bounded size (in its memory budget); its folder, with its job, is read-only."
+    r = grade_notebook(SPEC, student_with(tmp_path / 'f', FILL_THE_DISK), prepared=prepared(), sandbox=True)
+    assert r.points == 0 and 'FILL wrote' in r.error, r.error
+    wrote = int(r.error.split('FILL wrote ')[1].split()[0])
+    refused = r.error.split('refused: ')[1]
+    assert wrote <= 512 and all(e in refused for e in ('File too large', 'No space left on device', 'Read-only file system')), r.error
+    unsandboxed = grade_notebook(SPEC, student_with(tmp_path / 'g', ONLY_ITS_FOLDER), prepared=prepared(), sandbox=False)
+    assert "wrote 48 MiB, refused: ['File too large']" in unsandboxed.error, unsandboxed.error  # the control: outside, the
+                                                                                                # folder is writable
+
+
+# ---------------------------------------------------------------- what a module provides does not answer its exercises
+
+SOFTMAX_FROM_TENSOR = '''
+def log_softmax_forward(x, axis=-1):
+    return np.log(_softmax(Tensor(x), axis).data)
+'''
+
+def _helper_attacks():
+    "(module, part to append to, code, exercises it answers with provided helpers)."
+    return [('01', '01a_tensor', SOFTMAX_FROM_TENSOR, ['log_softmax_forward']),
+            ('07', '07b_evaluation', 'def pareto_front(points, maximize):\n    return np.flatnonzero(pareto_mask(points, maximize)).astype(np.int64)\n'
+                                     'def expected_calibration_error(probs, labels, n_bins=15):\n    return calibration_bins(probs, labels, n_bins)["ece"]\n',
+             ['pareto_front', 'expected_calibration_error']),
+            ('05', '05a_pruning', 'def l1_unstructured(weight, amount):\n    w = np.asarray(weight, np.float32)\n'
+                                  '    return ln_structured(w.reshape(-1, 1), amount, n=1, dim=0).reshape(w.shape).astype(np.float32)\n',
+             ['l1_unstructured'])]
+
+
+def _with_cell(tmp, key, part_stem, code):
+    from tinycomp.course.spec import get_spec as spec_of
+    folder = ROOT / 'modules' / spec_of(key).folder
+    tmp.mkdir(parents=True, exist_ok=True)
+    for p in sorted(folder.glob('*.ipynb')):
+        nb = read_notebook(p)
+        if p.stem == part_stem:
+            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None, 'source': '#| export\n' + code})
+        (tmp / p.name).write_text(json.dumps(nb))
+    return tmp
+
+
+def test_helpers_a_module_provides_are_set_aside_while_the_exercise_they_answer_is_graded(sandbox, tmp_path, monkeypatch):
+    from tinycomp.course.spec import get_spec as spec_of
+    for key, part, code, answered in _helper_attacks():
+        spec = spec_of(key)
+        nbs = _with_cell(tmp_path / key, key, part, code)
+        r = grade_notebook(spec, nbs, prepared=prepare_checks(spec, 3), sandbox=True)
+        assert all(points(r)[e] == 0 for e in answered), (key, points(r))
+        assert 'is set aside while' in next(e for e in r.exercises if e.name == answered[0]).diagnosis
+        monkeypatch.setattr(spec, 'set_aside', {})                       # the control: without setting them aside
+        control = grade_notebook(spec, nbs, prepared=prepare_checks(spec, 3), sandbox=True)
+        assert all(points(control)[e] > 0 for e in answered), (key, points(control))
+        monkeypatch.undo()
+
+
+SOFTMAX_FROM_LATER = '''
+def softmax_with_temperature(logits, T=1.0):
+    from tinycomp.benchmarking.evaluation import softmax    # module 07's (a NumPy one: its import is the point here)
+    return (logits / T).softmax(axis=-1)
+'''
+
+
+def test_later_modules_are_hidden_while_an_earlier_one_is_graded(sandbox, tmp_path, monkeypatch):
+    "Module 07 has a softmax; while module 06 (which asks for one) is graded, module 07's files are not there."
+    from tinycomp.course.spec import ModuleSpec, get_spec as spec_of
+    spec = spec_of('06')
+    assert 'tinycomp.benchmarking.evaluation' in spec.hidden()
+    nbs = _with_cell(tmp_path / 'a', '06', '06_distillation', SOFTMAX_FROM_LATER)
+    r = grade_notebook(spec, nbs, prepared=prepare_checks(spec, 3), sandbox=True)
+    e = next(e for e in r.exercises if e.name == 'softmax_with_temperature')
+    assert e.points == 0 and 'belongs to a later module' in e.diagnosis, e.diagnosis
+    monkeypatch.setattr(ModuleSpec, 'hidden', lambda self: self.reference)     # the control: only its own files hidden
+    control = grade_notebook(spec, nbs, prepared=prepare_checks(spec, 3), sandbox=True)
+    assert points(control)['softmax_with_temperature'] > 0

@@ -136,8 +136,14 @@ def _run_movement(ns, i):
 # %% ../../nbs/checks/05_pruning.ipynb #6c78341e
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
+# provided code that would answer an exercise is set aside while that exercise is graded
+_SET_ASIDE = {'l1_unstructured': ('ln_structured',), 'global_unstructured': ('ln_structured',),
+              'channel_importance': ('slice_norms', 'ln_structured'),
+              'csr_matmul': ('csr_matmul_fast', '_csr_mm', '_csr_mm_kernel', '_csr_mm_rows64', 'sparse_conv2d')}
+
 MODULE = ModuleSpec('05', 'pruning', reference=(
-    'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.schedules'), checks=[
+    'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.schedules'),
+    set_aside=_SET_ASIDE, checks=[
     Check('l1_unstructured', 'fraction_ties', 2, _l1_inputs('fraction'), _run_l1, **_EXACT),
     Check('l1_unstructured', 'count', 1, _l1_inputs('count'), _run_l1, **_EXACT),
     Check('global_unstructured', 'three_layers', 2, _global_inputs, _run_global, **_EXACT),

@@ -261,7 +261,9 @@ _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 MODULE = ModuleSpec('04', 'quantization', reference=(
     'tinycomp.quantization.core', 'tinycomp.quantization.observers', 'tinycomp.quantization.kernels',
     'tinycomp.quantization.int8_conv', 'tinycomp.quantization.layers', 'tinycomp.quantization.models',
-    'tinycomp.quantization.analysis'), checks=[
+    'tinycomp.quantization.analysis'),
+    set_aside={'multiply_by_quantized_multiplier': ('_mbqm',)},    # the scalar Numba version the module provides
+    checks=[
     Check('calculate_qparams', 'asymmetric_int8', 1, _qparams_inputs('int8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'asymmetric_uint8', 1, _qparams_inputs('uint8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'symmetric_int8', 1, _qparams_inputs('int8', True), _run_qparams, exact_dtype=True),

@@ -52,13 +52,17 @@ LIBRARY_POLICY = ("exercises are written with Python, NumPy and Numba (and the e
 class Blocker:
     """Meta-path finder that refuses to import the reference files of the module under test, and any package outside
     `allowed` (top-level names besides the standard library's; None allows every package)."""
-    def __init__(self, hidden, key, allowed=None):
-        self.hidden, self.key = tuple(hidden), key
+    def __init__(self, hidden, key, allowed=None, own=None):
+        self.hidden, self.key, self.own = tuple(hidden), key, tuple(hidden if own is None else own)
         self.allowed = None if allowed is None else set(allowed) | set(sys.stdlib_module_names)
     def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + '.') for b in self.hidden):
+        inside = lambda modules: any(name == b or name.startswith(b + '.') for b in modules)
+        if inside(self.own):
             raise ImportError(f"`import {name}` is not allowed while grading module {self.key}: it is the reference "
                               "solution of the module you are writing. Use your own code.")
+        if inside(self.hidden):
+            raise ImportError(f"`import {name}` is not available while grading module {self.key}: it belongs to a later "
+                              "module of the course. Use your own code and the earlier modules.")
         top = name.split('.')[0]
         if self.allowed is not None and top not in self.allowed:
             raise ModuleNotFoundError(f"`import {top}` is not available while grading: {LIBRARY_POLICY}.", name=name)
@@ -142,7 +146,7 @@ def _limit_resources(mem_limit):
         import resource
         if mem_limit: resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 20, 256 << 20))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))   # one file, the log included
     except (ImportError, ValueError, OSError): pass
 
 def _compiled(mod):
@@ -176,15 +180,15 @@ def child_main(job_file: str, ctrl_fd: int, out_fd: int):
     for p in job.get('sys_path', []): sys.path.insert(0, p)
     spec = resolve_spec(job['spec'])
     checks = {c.id: c for c in spec.checks}
-    hidden = spec.hidden()
+    hidden = job['hidden']    # the parent's decision, as are the files the sandbox hides
     for name in list(sys.modules):
         if any(name == b or name.startswith(b + '.') for b in hidden): del sys.modules[name]
     allowed = job.get('allowed')
     if allowed is not None:
         extra_paths = [Path(d) for d in job.get('sys_path', []) if Path(d).is_dir()]   # the instructor's own modules
         allowed = set(allowed) | {'tinycomp'} | {p.stem for d in extra_paths for p in d.iterdir()}
-    sys.meta_path.insert(0, Blocker(hidden, spec.key, allowed))
-    os.chdir(job['work'])
+    sys.meta_path.insert(0, Blocker(hidden, spec.key, allowed, own=job['own']))
+    os.chdir(job.get('scratch') or job['work'])
     import importlib.util
     learner_file = job['module_file']
     try:

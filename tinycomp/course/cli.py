@@ -74,13 +74,16 @@ test_module.__test__ = False  # not a pytest test
 # %% ../../nbs/98j_cli.ipynb #c712cc18
 def _grade_command(a) -> int:
     if a.no_sandbox:
-        print("tinycomp grade: WARNING: grading WITHOUT the OS sandbox. A learner's code can read the solutions, "
-              "tamper with the grader and outlive it: these results are not tamper-proof.", file=sys.stderr)
+        print("tinycomp grade: WARNING: grading WITHOUT the OS sandbox. Learner code runs as you: it can read every file "
+              "you can (the solutions and your grading key too), change the installed package (and so every later "
+              "grading) and outlive the grader. Use --no-sandbox only on notebooks you trust: these results are not "
+              "tamper-proof.", file=sys.stderr)
     elif not bwrap_path():
         raise GradingError(f"the sandbox is not available: {sandbox_problem()}. Grading that counts needs it; "
                            "pass --no-sandbox only to try things out (results are then not tamper-proof)")
     gradebook = a.gradebook or f"gradebook_{get_spec(a.module).key}.csv"
-    return grade(a.directory, a.module, gradebook, jobs=a.jobs, key_file=a.key_file, fresh=a.fresh, sandbox=not a.no_sandbox)
+    return grade(a.directory, a.module, gradebook, jobs=a.jobs, key_file=a.key_file, new_key=a.new_key, fresh=a.fresh,
+                 sandbox=not a.no_sandbox)
 
 def sandbox_command(bench=None, repeats=3) -> int:
     "Print what this machine offers for grading and, with `bench`, the time grading module `bench` takes with and without the sandbox."
@@ -169,7 +172,8 @@ def add_grade_cli(subparsers):
                                                       'in the current folder, NN the module)')
     p.add_argument('--jobs', type=int, default=1, help='learners graded in parallel (default: 1)')
     p.add_argument('--key-file', metavar='PATH', help='the secret grading key (default: $TINYCOMP_GRADING_KEY, else '
-                                                      '~/.tinycomp/grading.key; made on first use; keep it private)')
+                                                      '~/.tinycomp/grading.key, made on first use; keep it private)')
+    p.add_argument('--new-key', action='store_true', help='make the key file given by --key-file if it does not exist')
     p.add_argument('--fresh', action='store_true', help='start the gradebook over instead of resuming it')
     p.add_argument('--no-sandbox', action='store_true',
                    help='grade without the OS sandbox (results are then NOT tamper-proof; for trying things out only)')

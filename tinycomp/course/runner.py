@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['MAX_RESULT', 'DEFAULT_MEM_LIMIT', 'TREE_MEMORY', 'IMPORT_TIMEOUT', 'POLL', 'RETRIES', 'ChannelError', 'Channel',
-           'decode_arrays', 'dependency_source', 'wall_cap', 'Child', 'Budget', 'Group', 'run_jobs']
+           'decode_arrays', 'dependency_source', 'set_aside', 'wall_cap', 'stop_children', 'Child', 'Budget',
+           'child_error', 'Group', 'run_jobs']
 
 # %% ../../nbs/98f_runner.ipynb #5e7f6bfb
 import ast
@@ -17,6 +18,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import numpy as np
 from ..errors import GradingError
 from .child import MAX_HEADER, frame
 from .refs import save_npz
-from .sandbox import TreeClock, TreeLimit, allowed_import_names, bwrap_path, remove_tree, sandbox_args, sandbox_env, sandbox_problem
+from .sandbox import SCRATCH, TreeClock, TreeLimit, allowed_import_names, bwrap_path, remove_tree, sandbox_args, sandbox_env, sandbox_problem
 from .spec import ModuleSpec, package_dir
 from ..files import atomic_write
 
@@ -139,6 +141,22 @@ def dependency_source(spec: ModuleSpec, names, exercise: str = None) -> str:
     body = [ast.get_source_segment(srcs[m], node) for m, node in sorted(nodes, key=lambda mn: (mn[0], mn[1].lineno))]
     return '\n'.join(dict.fromkeys(imports)) + '\n\n' + '\n\n'.join(body) + '\n'
 
+def set_aside(code: str, names, exercise: str) -> str:
+    """The learner's `code` with the top-level functions `names` replaced by stubs that raise, every other line where it
+    was: helpers a module provides that would answer `exercise` (a fast version of the naive function the exercise
+    asks for, say) are not there while it is graded, not even through a reference taken at import time."""
+    if not names: return code
+    try: tree = ast.parse(code)
+    except SyntaxError: return code                   # the child reports the syntax error with its line
+    lines = code.split('\n')
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            message = f"`{node.name}` is set aside while `{exercise}` is graded: it would answer the exercise; write it without it"
+            lines[first - 1:node.end_lineno] = [f"def {node.name}(*args, **kwargs): raise NotImplementedError({message!r})"] + \
+                                               [''] * (node.end_lineno - first)
+    return '\n'.join(lines)
+
 # %% ../../nbs/98f_runner.ipynb #99108d54
 DEFAULT_MEM_LIMIT = 3 << 30      # bytes of address space per process; Numba/LLVM need about 1 GiB of it
 TREE_MEMORY = 2 << 30            # bytes of memory for a child's whole process tree (when a cgroup can be made)
@@ -155,7 +173,7 @@ def _tail(path, n=600):
     except OSError: return ''
 
 def _child_env(work, sandboxed, sys_path=()):
-    env = sandbox_env(work) if sandboxed else {**os.environ, 'PYTHONDONTWRITEBYTECODE': '1'}
+    env = sandbox_env() if sandboxed else {**os.environ, 'PYTHONDONTWRITEBYTECODE': '1'}
     if not sandboxed:
         for k in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'): env.setdefault(k, '1')
     paths = [str(package_dir().parent), *map(str, sys_path)]
@@ -165,9 +183,18 @@ def _child_env(work, sandboxed, sys_path=()):
 def _write_json(path, obj):
     with atomic_write(path) as f: f.write(json.dumps(obj).encode('utf-8'))
 
+_LIVE, _LIVE_LOCK, _STOPPED = set(), threading.Lock(), threading.Event()
+
+def stop_children():
+    "Kill every grading child of this process and start no new one (an interrupted `tinycomp grade`)."
+    _STOPPED.set()
+    with _LIVE_LOCK: live = list(_LIVE)
+    for child in live: child.close()
+
 class Child:
     "One grading child process (sandboxed or not, inside a cgroup when one is given), its channels and its CPU clock."
     def __init__(self, work, job_file, log, sandbox_cmd=None, tree=None, sys_path=()):
+        if _STOPPED.is_set(): raise GradingError("grading was interrupted")
         r, w = os.pipe()              # results and questions, child -> parent
         cr, cw = os.pipe()            # answers to oracle calls, parent -> child
         argv = [sys.executable, '-c', 'import sys; from tinycomp.course.child import child_main; '
@@ -180,7 +207,8 @@ class Child:
                                          env=_child_env(work, sandbox_cmd is not None, sys_path))
         os.close(w); os.close(cr)
         self.channel, self.answers, self.tree, self.log = Channel(r), cw, tree, log
-        self.clock = TreeClock(self.proc.pid, tree)
+        self.clock, self._closing = TreeClock(self.proc.pid, tree), threading.Lock()
+        with _LIVE_LOCK: _LIVE.add(self)
 
     def answer(self, header: dict):
         "Send an answer to an oracle call (a few bytes: the pipe never fills)."
@@ -199,14 +227,16 @@ class Child:
 
     def close(self):
         "Kill the child and everything it started; wait until all of it is gone. (Closing twice does nothing.)"
-        if self.channel.fd is None: return
-        try: os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError: pass
-        try: self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired: pass
-        if self.tree is not None: self.tree.kill_all()
-        os.close(self.channel.fd); self.channel.fd = None
-        os.close(self.answers)
+        with self._closing:
+            if self.channel.fd is None: return
+            try: os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError: pass
+            try: self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired: pass
+            if self.tree is not None: self.tree.kill_all()
+            os.close(self.channel.fd); self.channel.fd = None
+            os.close(self.answers)
+        with _LIVE_LOCK: _LIVE.discard(self)
 
 class Budget:
     """The CPU time a child may use for one step (importing, or one check) and a clock-time cap. `spent()` says which
@@ -249,6 +279,18 @@ class Budget:
                     raise e from None
 
 # %% ../../nbs/98f_runner.ipynb #c57eb7ce
+_ERROR_FIELDS = {'type': str, 'message': str, 'text': str, 'func': str, 'file_line': int, 'numba': bool}
+
+def child_error(header: dict) -> dict:
+    """What a child may say about an error in the learner's code: a few plain fields of bounded size. Everything that
+    decides a verdict (status, whether to retry, whether the grader is at fault) is the parent's, never the child's."""
+    out = {}
+    for key, kind in _ERROR_FIELDS.items():
+        v = header.get(key)
+        if isinstance(v, kind) and (kind is bool or not isinstance(v, bool)):
+            out[key] = v[:2000] if isinstance(v, str) else v
+    return {'type': 'Error', 'message': '', **out}
+
 class Group:
     "The jobs of one exercise and what their children see: only this exercise's inputs and reference dependencies."
     def __init__(self, spec, exercise, jobs, module_code, common, work, deps_source, timeouts, import_timeout, start):
@@ -260,7 +302,7 @@ class Group:
         "A fresh folder for one child: the learner's module, the inputs it may see, the job and its dependencies."
         folder = Path(tempfile.mkdtemp(prefix='child_', dir=self.work))
         module_file = folder / f"{self.common['module_name']}.py"
-        module_file.write_text(self.code, encoding='utf-8')
+        module_file.write_text(set_aside(self.code, self.spec.set_aside.get(self.exercise, ()), self.exercise), encoding='utf-8')
         deps_file = folder / 'reference_dependencies.py'
         deps_file.write_text(self.deps_source, encoding='utf-8')
         for j in remaining: save_npz(folder / f"in_{j.id}.npz", j.check.visible(j.inputs))
@@ -311,12 +353,11 @@ class Group:
                     'type': 'GraderBusy' if starved else 'Timeout', 'message': budget.message(e.why, "importing your notebook's code")}
         except ChannelError as e: msg = (None, str(e))
         if msg is not None and msg[0].get('event') == 'ready': return True
-        if msg is not None and msg[0].get('event') == 'import_error': info = {**msg[0], 'phase': 'import'}
+        if msg is not None and msg[0].get('event') == 'import_error': info = child_error(msg[0])
         else:
             child.close()
-            info = {'type': 'Crash', 'phase': 'import', 'message': child.crash_message('while importing your notebook')}
-        info.pop('event', None)
-        return {'status': 'error', **info}
+            info = {'type': 'Crash', 'message': child.crash_message('while importing your notebook')}
+        return {**info, 'status': 'error', 'phase': 'import'}
 
     def _one_result(self, child, job) -> dict:
         """The child's result for `job`, or why there is none (`restart` set when the child cannot go on; status
@@ -344,8 +385,7 @@ class Group:
                 reply = self._answer(job, header.get('args'), calls)
                 if reply is None: return bad
                 child.answer(reply); continue
-            if event == 'error':
-                return {'status': 'error', 'calls': calls, **{k: v for k, v in header.items() if k not in ('event', 'job')}}
+            if event == 'error': return {**child_error(header), 'status': 'error', 'calls': calls}
             try: arrays = decode_arrays(header.get('arrays'), payload)
             except ValueError as e: return {'status': 'error', 'type': 'BadResult', 'message': f"your code sent back a malformed result ({e})"}
             modified = header.get('modified') or []
@@ -373,9 +413,11 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
     timeouts = {c.id: c.timeout for c in spec.checks}    # the spec's limits (jobs may come from a shared preparation)
     allowed = allowed_import_names()
     common = {'spec': spec_ref, 'sys_path': [str(p) for p in sys_path], 'module_name': f"learner_{spec.name}",
-              'mem_limit': mem_limit, 'allowed': None if allowed is None else sorted(allowed)}
+              'mem_limit': mem_limit, 'allowed': None if allowed is None else sorted(allowed),
+              'scratch': SCRATCH if sandbox else None,    # where the child works and writes (its folder, unsandboxed)
+              'hidden': list(spec.hidden()), 'own': list(spec.reference)}    # modules the child's blocker refuses
     if sandbox and not bwrap_path(): raise GradingError(f"the sandbox is not available: {sandbox_problem()}")
-    hidden = [_module_file(m) for m in spec.hidden()] + [Path(f) for f in hidden_files]
+    hidden = [_module_file(m) for m in common['hidden']] + [Path(f) for f in hidden_files]
     def start(folder, job_file, log):
         cmd = sandbox_args(folder, package_dir(), hidden_files=hidden, hidden_dirs=[Path(spec.refs_dir)],
                            read_only=sys_path) if sandbox else None

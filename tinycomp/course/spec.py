@@ -74,10 +74,12 @@ class ModuleSpec:
     checks: list
     refs_dir: str = None
     origin: str = None           # 'tinycomp.checks.tensor:MODULE': how a child process finds this spec
+    set_aside: dict = None       # {exercise: names of provided helpers that would answer it, stubbed while it is graded}
     def __post_init__(self):
         if self.refs_dir is None: self.refs_dir = str(package_dir() / 'refs' / self.key)
         if isinstance(self.reference, str): self.reference = (self.reference,)
         self.reference = tuple(self.reference)
+        self.set_aside = {k: tuple(v) for k, v in (self.set_aside or {}).items()}
         ids = [c.id for c in self.checks]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup: raise GradingError(f"module {self.key}: duplicate check ids {dup}")
@@ -95,8 +97,10 @@ class ModuleSpec:
     @property
     def possible(self) -> float: return float(sum(c.points for c in self.checks))
     def hidden(self) -> tuple:
-        "Package modules a learner's code may not import while this module is graded: its reference files."
-        return self.reference
+        """Package modules a learner's code may not import while this module is graded: its reference files, and those
+        of every later module (a later module may implement an earlier exercise: module 07's softmax, say)."""
+        later = [m for key, spec in modules().items() if key > self.key for m in spec.reference]
+        return self.reference + tuple(dict.fromkeys(m for m in later if m not in self.reference))
 
 # %% ../../nbs/98b_spec.ipynb #01be9fe5
 _MODULES = None
