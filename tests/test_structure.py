@@ -11,15 +11,14 @@ PACKAGE = ROOT / 'tinycomp'
 # Bottom to top; a file imports only from its own floor or below. Siblings on one floor may import each other
 # where a technique composes, but never in a cycle. The timer of module 03 sits at the bottom: every measurement of
 # the course goes through it, the benchmarks of modules 02 and of training included.
-FLOORS = [('tinycomp', 'tinycomp.errors', 'tinycomp.files', 'tinycomp.profiling.timing'),
+FLOORS = [('tinycomp', 'tinycomp.errors', 'tinycomp.lazy', 'tinycomp.files', 'tinycomp.profiling.timing'),
           ('tinycomp.tensor',),
           ('tinycomp.nn', 'tinycomp.optim'),
           ('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'),
-          ('tinycomp.graph',),
           ('tinycomp.data', 'tinycomp.io', 'tinycomp.models'),
           ('tinycomp.profiling',),
           ('tinycomp.quantization', 'tinycomp.pruning', 'tinycomp.distillation'),
-          ('tinycomp.benchmarking', 'tinycomp.onnx', 'tinycomp.deploy'),
+          ('tinycomp.benchmarking', 'tinycomp.onnx'),
           ('tinycomp.leaderboard',),
           ('tinycomp.course', 'tinycomp.checks', 'tinycomp.tour', 'tinycomp.cli')]
 

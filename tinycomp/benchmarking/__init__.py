@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/95c_benchmarking.ipynb #dd40012e
-from ..nn.functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _PARTS = {
     'harness': ('REPEAT_TOLERANCE', 'TIE_MARGIN', 'CONVENTIONS', 'predict', 'wilson_interval', 'mcnemar', 'ratio_ci',
@@ -20,7 +20,7 @@ _PARTS = {
                'check_order', 'load_recipe'),
     'compression': ('stage_table', 'CompressionReport', 'compress', 'compress_command'),
     'sweep': ('default_configurations', 'SweepResult', 'strategy_sweep', 'recommend', 'strategies_benchmark')}
-__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.benchmarking.{part}" for part in _PARTS},
+__getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.benchmarking.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.benchmarking.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
 

@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/97k_leaderboard_ns.ipynb #c0b9d51a
-from ..nn.functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _PUBLIC = {'scoring': ('GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION', 'SCORE_DECIMALS', 'SCORE_FORMULA',
                        'RULES', 'entry_metrics', 'synthetic_measurement', 'pareto_ranks', 'rank_entries'),
@@ -17,7 +17,7 @@ _PUBLIC = {'scoring': ('GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION'
            'page': ('render_page',),
            'cli': ('format_submission', 'format_leaderboard', 'submit_local')}
 _MODULES = ('scoring', 'validation', 'store', 'submissions', 'worker', 'page', 'client', 'app', 'cli')
-_lazy_getattr, __dir__ = _lazy_attributes({**{m: f'tinycomp.leaderboard.{m}' for m in _MODULES},
+_lazy_getattr, __dir__ = lazy_attributes({**{m: f'tinycomp.leaderboard.{m}' for m in _MODULES},
                                            **{n: f'tinycomp.leaderboard.{m}' for m, names in _PUBLIC.items() for n in names}},
                                           globals())
 __all__ = [n for names in _PUBLIC.values() for n in names]

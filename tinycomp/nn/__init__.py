@@ -19,8 +19,8 @@ _all_ = ['Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh
          'xavier_normal_', 'xavier_uniform_', 'zeros_', 'parameter_counts', 'ParameterCounts', 'skip_init']
 
 # %% ../../nbs/94_nn.ipynb #f901f556
-from .functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _CONV_LAYERS = {'Conv2d': 'tinycomp.conv', 'MaxPool2d': 'tinycomp.pooling', 'AvgPool2d': 'tinycomp.pooling',
                 'AdaptiveAvgPool2d': 'tinycomp.pooling', 'BatchNorm2d': 'tinycomp.batchnorm'}   # module 02's layers: where each is defined
-__getattr__, __dir__ = _lazy_attributes(_CONV_LAYERS, globals())
+__getattr__, __dir__ = lazy_attributes(_CONV_LAYERS, globals())

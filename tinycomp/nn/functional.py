@@ -88,19 +88,8 @@ def dropout(input, p=0.5, training=True) -> Tensor:
     return x * mask
 
 # %% ../../nbs/01b_functional.ipynb #f81f3145
-def _lazy_attributes(sources, namespace):
-    """`(__getattr__, __dir__)` (PEP 562) for a module whose names are imported on first use: `sources` maps each name
-    to the module that defines it (a name equal to that module's last component is the module itself)."""
-    def __getattr__(name):
-        where = sources.get(name)
-        if where is None: raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
-        import importlib
-        module = importlib.import_module(where)
-        value = namespace[name] = module if where.rsplit('.', 1)[-1] == name else getattr(module, name)
-        return value
-    def __dir__(): return sorted(set(namespace) | set(sources))
-    return __getattr__, __dir__
+from ..lazy import lazy_attributes
 
 _CONV_FUNCTIONS = {'conv2d': 'tinycomp.conv', 'max_pool2d': 'tinycomp.pooling', 'avg_pool2d': 'tinycomp.pooling',
                    'adaptive_avg_pool2d': 'tinycomp.pooling', 'batch_norm': 'tinycomp.batchnorm'}   # where each is defined
-__getattr__, __dir__ = _lazy_attributes(_CONV_FUNCTIONS, globals())
+__getattr__, __dir__ = lazy_attributes(_CONV_FUNCTIONS, globals())

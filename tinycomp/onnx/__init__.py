@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/96e_onnx_ns.ipynb #c71185ba
-from ..nn.functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _PARTS = {
     'export': ('ONNX_EXTRA', 'DEFAULT_OPSET', 'MIN_OPSET', 'QUANTIZED_FORMS', 'INT8_TYPES', 'EXPORTABLE', 'require_onnx',
@@ -15,7 +15,7 @@ _PARTS = {
     'runtime': ('ort_session', 'run_onnx', 'ort_agreement', 'agreement_models', 'agreement_table', 'format_agreement',
                 'run_onnx_emulated', 'lsb_diff', 'onnx_benchmark', 'format_onnx_benchmark'),
     'cli': ('export_command', 'import_command')}
-__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.onnx.{part}" for part in _PARTS},
+__getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.onnx.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.onnx.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
 

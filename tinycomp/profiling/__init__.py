@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/95_profiling.ipynb #f139d812
-from ..nn.functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _PARTS = {
     'timing': ('add_measure_options', 'blas_threads', 'check_threads', 'latency_stats', 'measure_times', 'optional_torch',
@@ -17,7 +17,7 @@ _PARTS = {
                  'estimate_batch_memory_mb', 'format_table', 'knee', 'largest_batch', 'machine_roof',
                  'measure_bandwidth', 'measure_peak_flops', 'peak_memory_mb', 'plot_batch_sweep', 'plot_thread_sweep',
                  'ridge_point', 'roofline', 'thread_sweep', 'variant_table', 'write_hardware_profile_artifacts')}
-__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.profiling.{part}" for part in _PARTS},
+__getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.profiling.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.profiling.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
 

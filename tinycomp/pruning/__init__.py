@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/95b_pruning.ipynb #6f226268
-from ..nn.functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _PARTS = {
     'masks': ('PRUNE_METHODS', 'l1_unstructured', 'random_unstructured', 'global_unstructured', 'slice_norms',
@@ -18,7 +18,7 @@ _PARTS = {
                'sparse_conv2d'),
     'schedules': ('agp_sparsity', 'prune_with_agp', 'rewind', 'movement_scores_update', 'movement_prune', 'sensitivity_scan',
                   'plot_sensitivity', 'choose_ratios', 'apply_ratios', 'to_sparse', 'compress_to_size', 'prune_benchmark')}
-__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.pruning.{part}" for part in _PARTS},
+__getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.pruning.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.pruning.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
 

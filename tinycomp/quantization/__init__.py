@@ -6,7 +6,7 @@
 __all__ = []
 
 # %% ../../nbs/95a_quantization.ipynb #2ca785ee
-from ..nn.functional import _lazy_attributes
+from ..lazy import lazy_attributes
 
 _PARTS = {
     'core': ('QUANT_DTYPES', 'calculate_qparams', 'dequantize', 'fake_quantize', 'fold_batchnorm',
@@ -22,7 +22,7 @@ _PARTS = {
     'models': ('convert', 'prepare_qat', 'quantize_dynamic', 'quantize_static'),
     'analysis': ('layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'plot_quantization_histograms', 'precision_plan',
                  'quant_benchmark', 'quantization_report', 'simulate')}
-__getattr__, __dir__ = _lazy_attributes({**{part: f"tinycomp.quantization.{part}" for part in _PARTS},
+__getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.quantization.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.quantization.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())
 
