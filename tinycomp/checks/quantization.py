@@ -259,7 +259,9 @@ _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
 MODULE = ModuleSpec('04', 'quantization', reference=(
     'tinycomp.quantization.core', 'tinycomp.quantization.kernels', 'tinycomp.quantization.models'),
-    set_aside={'multiply_by_quantized_multiplier': ('_mbqm',)},    # the scalar Numba version part b provides
+    # part b's scalar Numba version and row requantization answer the integer arithmetic; the observer per-channel ranges
+    set_aside={'multiply_by_quantized_multiplier': ('_mbqm', '_requant_rows'), 'requantize': ('_requant_rows',),
+               'per_channel_qparams': ('PerChannelMinMaxObserver._update',)},
     checks=[
     Check('calculate_qparams', 'asymmetric_int8', 1, _qparams_inputs('int8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'asymmetric_uint8', 1, _qparams_inputs('uint8', False), _run_qparams, exact_dtype=True),
