@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tinycomp.cli import main
-from tinycomp.course.gradebook import grade, grading_key, key_id, learner_seed, learners
+from tinycomp.course.gradebook import grade, grading_key, key_id, learner_seed, learners, submission_id
 from tinycomp.course.grading import grade_notebook
 from tinycomp.course.notebooks import read_notebook
 from tinycomp.course.progress import load_progress
@@ -177,7 +177,7 @@ def test_a_learner_named_twice_is_an_error_naming_both(tmp_path, capsys):
     assert str(d / 'bob') in str(e.value) and str(d / 'bob.ipynb') in str(e.value)
     env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'k.key')}
     r = subprocess.run([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook',
-                        str(tmp_path / 'g.csv'), '--no-sandbox'], capture_output=True, text=True, env=env, timeout=300)
+                        str(tmp_path / 'g.csv'), '--no-sandbox', '--new-key'], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "two submissions for learner 'bob'" in r.stderr and not (tmp_path / 'g.csv').exists()
 
 
@@ -246,15 +246,16 @@ def test_a_changed_submission_and_a_grader_error_are_graded_again(tmp_path, monk
     copy_solutions(d / 'alice'); copy_solutions(d / 'bob')
     (d / 'notes.zip').write_bytes(b'PK')                                 # a stray file: named, not graded
     out = tmp_path / 'gradebook.csv'
-    real = gradebook.grade_notebook
-    def flaky(spec, nbs, **kw):
-        if 'bob' in str(nbs[0]): raise RuntimeError('the grader broke')
+    real, calls = gradebook.grade_notebook, []
+    def flaky(spec, nbs, **kw):                                          # alice, then bob
+        calls.append(nbs)
+        if len(calls) == 2: raise RuntimeError('the grader broke')
         return real(spec, nbs, **kw)
     monkeypatch.setattr(gradebook, 'grade_notebook', flaky)
     assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 1
     rows = rows_of(out)
     assert rows['bob']['complete'] == 'no' and 'grader error: RuntimeError: the grader broke' in rows['bob']['errors']
-    assert 'not a notebook or a folder, so not graded: notes.zip' in capsys.readouterr().err
+    assert 'not a notebook or a folder (or hidden), so not graded: notes.zip' in capsys.readouterr().err
     monkeypatch.undo()
     alice = d / 'alice' / SOLUTIONS[0].name                              # alice hands in her student version instead
     alice.write_text((ROOT / 'modules' / SPEC.folder / SOLUTIONS[0].name).read_text())
@@ -298,3 +299,107 @@ def test_ctrl_c_stops_every_child_and_keeps_the_finished_rows(tmp_path):
     assert not [k for k in kids if Path(f'/proc/{k}').exists()], 'a grading child outlived the grader'
     assert set(rows_of(out)) == {'alice'} and float(rows_of(out)['alice']['total']) == SPEC.possible
     assert list(scratch.iterdir()) == []                                 # every working folder removed
+
+
+# ---------------------------------------------------------------- what is graded is what was read, once
+
+def test_a_notebook_swapped_for_a_link_after_listing_is_refused(tmp_path, monkeypatch):
+    "Between listing the class and reading a notebook, a learner swaps it (or a folder on its path) for a link."
+    from tinycomp.course import gradebook
+    d = tmp_path / 'class'
+    for who in ('alice', 'bob', 'zed'): copy_solutions(d / who)
+    (tmp_path / 'elsewhere').mkdir()
+    real = gradebook.learners
+    def swap_after_listing(directory, spec):
+        out = real(directory, spec)
+        nb = d / 'alice' / SOLUTIONS[0].name
+        nb.unlink(); nb.symlink_to(SOLUTIONS[0])                             # the notebook becomes a link
+        (d / 'bob').rename(tmp_path / 'elsewhere' / 'bob')
+        (d / 'bob').symlink_to(tmp_path / 'elsewhere' / 'bob', target_is_directory=True)   # the folder does
+        return out
+    monkeypatch.setattr(gradebook, 'learners', swap_after_listing)
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
+    rows = rows_of(out)
+    assert float(rows['zed']['total']) == SPEC.possible                  # the control
+    for who in ('alice', 'bob'):
+        assert float(rows[who]['total']) == 0 and 'symbolic link' in rows[who]['errors'], rows[who]['errors']
+
+
+def test_grading_uses_the_bytes_read_once_and_a_copy_shows_as_identical(tmp_path, monkeypatch, capsys):
+    "A notebook swapped for a classmate's after it was read changes nothing; handed in for real, it is named a copy."
+    from tinycomp.course import gradebook
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    (d / 'mallory').mkdir()
+    student = [ROOT / 'modules' / SPEC.folder / p.name for p in SOLUTIONS]
+    for p in student: (d / 'mallory' / p.name).write_text(p.read_text())
+    real = gradebook.snapshot
+    def swap_after_reading(directory, nbs, into):
+        out = real(directory, nbs, into)
+        if 'mallory' in str(nbs[0]):
+            for p in SOLUTIONS: (d / 'mallory' / p.name).write_text(p.read_text())    # alice's notebooks, byte for byte
+        return out
+    monkeypatch.setattr(gradebook, 'snapshot', swap_after_reading)
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    rows = rows_of(out)
+    assert float(rows['mallory']['total']) == 0 and rows['mallory']['submission'] == submission_id(student)
+    assert 'identical submissions' not in capsys.readouterr().out
+    monkeypatch.undo()
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0     # graded again: the submission changed
+    rows = rows_of(out)
+    assert float(rows['mallory']['total']) == SPEC.possible and rows['mallory']['submission'] == rows['alice']['submission']
+    assert 'identical submissions (the same notebooks, byte for byte): alice, mallory' in capsys.readouterr().out
+
+
+def test_a_folder_too_deep_or_too_big_is_refused_and_the_class_goes_on(tmp_path):
+    from tinycomp.course.gradebook import MAX_DEPTH, MAX_ENTRIES
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    deep = d / 'dora'
+    for i in range(MAX_DEPTH + 1): deep = deep / f'd{i}'
+    copy_solutions(deep)
+    big = copy_solutions(d / 'bill')
+    for i in range(MAX_ENTRIES): (big / f'n{i}.txt').touch()
+    ok = copy_solutions(d / 'nina' / 'a' / 'b')                           # nested, but not too deep: graded
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
+    rows = rows_of(out)
+    assert float(rows['alice']['total']) == float(rows['nina']['total']) == SPEC.possible and ok.exists()
+    assert float(rows['dora']['total']) == 0 and f'nested more than {MAX_DEPTH} deep' in rows['dora']['errors']
+    assert float(rows['bill']['total']) == 0 and f'more than {MAX_ENTRIES} files' in rows['bill']['errors']
+
+
+def test_a_name_a_spreadsheet_would_run_is_text_and_resuming_still_works(tmp_path, capsys):
+    d = tmp_path / 'class'
+    copy_solutions(d / '=HYPERLINK("x",1)')
+    copy_solutions(d / 'alice')
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
+    cells = [row[0] for row in csv.reader(open(out))]
+    assert "'=HYPERLINK(\"x\",1)" in cells and not any(c.startswith('=') for c in cells)
+    rows = rows_of(out)
+    assert float(rows['\'=HYPERLINK("x",1)']['total']) == SPEC.possible
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0       # read back as the learner's own name
+    assert '2 learner(s) already graded, 0 to go' in capsys.readouterr().out
+
+
+def test_a_mistyped_key_path_in_the_environment_is_an_error_not_a_new_key(tmp_path, monkeypatch):
+    path = tmp_path / 'keys' / 'corse.key'
+    monkeypatch.setenv('TINYCOMP_GRADING_KEY', str(path))
+    with pytest.raises(GradingError, match='no grading key at .*corse.key'): grading_key()
+    assert not path.exists()
+    assert len(grading_key(create=True)) == 32 and path.exists()            # --new-key makes it
+
+
+def test_hidden_entries_are_named_not_graded(tmp_path, capsys):
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    copy_solutions(d / '.eve')
+    (d / '.ipynb_checkpoints').mkdir()
+    out = tmp_path / 'gradebook.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=True) == 0
+    assert set(rows_of(out)) == {'alice'}
+    err = capsys.readouterr().err
+    assert 'not a notebook or a folder (or hidden), so not graded: .eve' in err and 'checkpoints' not in err

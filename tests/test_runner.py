@@ -62,17 +62,22 @@ class FakeClock:
 
 
 def test_a_budget_tells_computing_too_long_from_waiting_from_being_starved(monkeypatch):
-    now = [100.0]
+    from tinycomp.course.sandbox import machine_cpus
+    now, busy = [100.0], [0.0]
     monkeypatch.setattr(time, 'monotonic', lambda: now[0])
-    clock = FakeClock(); b = Budget(clock, 2.0)
+    clock = FakeClock(); b = Budget(clock, 2.0, machine=lambda: busy[0])
+    cap, cpus = wall_cap(2.0) + 1, machine_cpus()
     clock.t_cpu = 1.9; now[0] += 50                               # long on the clock, but inside the CPU budget...
     assert b.spent() in ('stalled', 'starved')                    # ...past the clock-time cap, so it is judged
     b.restart(); assert b.spent() is None
     clock.t_cpu += 2.1; assert b.spent() == 'cpu' and 'timed out after 2 s of CPU time' in b.message('cpu', 'this check')
-    b.restart(); now[0] += wall_cap(2.0) + 1; clock.t_cpu += 0.1; clock.t_wait += 0.2
+    b.restart(); now[0] += cap; clock.t_cpu += 0.1; clock.t_wait += 0.2; busy[0] += 0.3
     assert b.spent() == 'stalled' and 'is it sleeping' in b.message('stalled', 'this check')
-    b.restart(); now[0] += wall_cap(2.0) + 1; clock.t_cpu += 1.0; clock.t_wait += wall_cap(2.0)
+    b.restart(); now[0] += cap; clock.t_cpu += 1.0; clock.t_wait += cap; busy[0] += 1.0 + 0.9 * cpus * cap
     assert b.spent() == 'starved' and 'says nothing about your code' in b.message('starved', 'this check')
+    # its own processes queueing for a CPU, the rest of the machine idle: the learner's code stalled itself
+    b.restart(); now[0] += cap; clock.t_cpu += 1.0; clock.t_wait += 20 * cap; busy[0] += 1.0
+    assert b.spent() == 'stalled'
 
 
 def test_the_tree_clock_counts_cpu_time_of_a_whole_process_tree():
@@ -189,7 +194,7 @@ def test_calls_are_counted_by_the_grader_where_the_learners_code_cannot_reach(tm
 
 
 def test_set_aside_stubs_only_the_named_top_level_functions_and_keeps_every_line():
-    from tinycomp.course.runner import set_aside
+    from tinycomp.course.provided import set_aside
     code = ("import functools\n@functools.lru_cache\ndef _fast(x):\n    return x + 1\n\n"
             "def exercise(x):\n    return _fast(x)\n\nclass K:\n    def _fast(self): return 2\nshortcut = _fast\n")
     out = set_aside(code, ('_fast',), 'exercise')

@@ -257,7 +257,7 @@ def test_an_interrupted_gradebook_keeps_its_rows_and_resumes(tmp_path):
     good = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
     out = tmp_path / 'gradebook.csv'
     env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'keys' / 'course.key')}
-    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook', str(out), '--no-sandbox']
+    cmd = [sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook', str(out), '--no-sandbox', '--new-key']
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == -signal.SIGKILL and 'not tamper-proof' in r.stderr and 'created the grading key' in r.stderr
     rows = {r['learner']: r for r in csv.DictReader(out.open())}
@@ -523,9 +523,49 @@ def log_softmax_forward(x, axis=-1):
     return np.log(_softmax(Tensor(x), axis).data)
 '''
 
+AUTOGRAD = '''
+def mul_backward(grad, a, b):
+    A, B = Tensor(a, requires_grad=True), Tensor(b, requires_grad=True)
+    (A / B ** -1.0 / Tensor(np.ones(grad.shape, np.float32))).backward(grad)
+    return A.grad, B.grad
+'''
+
+INT8_HELPERS = '''
+def requantize(acc, multiplier, shift, out_zero_point, qmin=-128, qmax=127, dtype='int8'):
+    acc = np.asarray(acc, np.int32); m = np.asarray(multiplier, np.int32); s = np.asarray(shift, np.int32)
+    out = np.empty(acc.shape, {'int8': np.int8, 'uint8': np.uint8}[dtype])
+    for r in range(acc.shape[0]):
+        lp = np.array([np.zeros(acc.shape[1]), np.full(acc.shape[1], m[r]), np.full(acc.shape[1], max(s[r], 0)),
+                       np.full(acc.shape[1], max(-s[r], 0))], np.int32)
+        _requant_rows(np.ascontiguousarray(acc[r]), 1, acc.shape[1], lp, np.int32(out_zero_point), np.int32(qmin), np.int32(qmax), out[r])
+    return out
+def per_channel_qparams(w, axis=0, dtype='int8', symmetric=True):
+    o = PerChannelMinMaxObserver(axis, dtype, symmetric); o.observe(w)
+    return calculate_qparams(o.min_val.astype(np.float32), o.max_val.astype(np.float32), dtype, symmetric)
+'''
+
+PRUNING_HELPERS = '''
+def nm_mask(weight, n=2, m=4):
+    w = np.asarray(weight, np.float32)
+    groups = list(np.abs(w).reshape(-1, m))
+    return np.stack(_topk_masks(groups, [np.ones(m, np.float32)] * len(groups), (m - n) / m, 'layer')).reshape(w.shape)
+def slice_conv_bn_next(conv, bn, next_layer, keep):
+    keep = np.asarray(keep, np.int64)
+    nxt = None
+    if next_layer is not None:
+        hw = 1 if isinstance(next_layer, Conv2d) else next_layer.in_features // conv.out_channels
+        nxt = _cut_inputs(next_layer, _planes(keep, hw))
+    return _cut_outputs(conv, keep), None if bn is None else _cut_outputs(bn, keep), nxt
+def csr_matmul(indptr, indices, data, x):
+    return csr_to_dense(indptr, indices, data, (len(indptr) - 1, x.shape[0])) @ x
+'''
+
 def _helper_attacks():
     "(module, part to append to, code, exercises it answers with provided helpers)."
     return [('01', '01a_tensor', SOFTMAX_FROM_TENSOR, ['log_softmax_forward']),
+            ('01', '01a_tensor', AUTOGRAD, ['mul_backward']),
+            ('04', '04d_int8_conv', INT8_HELPERS, ['requantize', 'per_channel_qparams']),
+            ('05', '05d_schedules', PRUNING_HELPERS, ['nm_mask', 'slice_conv_bn_next', 'csr_matmul']),
             ('07', '07b_evaluation', 'def pareto_front(points, maximize):\n    return np.flatnonzero(pareto_mask(points, maximize)).astype(np.int64)\n'
                                      'def expected_calibration_error(probs, labels, n_bins=15):\n    return calibration_bins(probs, labels, n_bins)["ece"]\n',
              ['pareto_front', 'expected_calibration_error']),

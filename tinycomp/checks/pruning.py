@@ -137,9 +137,11 @@ def _run_movement(ns, i):
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
 # provided code that would answer an exercise is set aside while that exercise is graded
-_SET_ASIDE = {'l1_unstructured': ('ln_structured',), 'global_unstructured': ('ln_structured',),
+_TOPK = ('ln_structured', '_topk_masks', 'channels_to_keep')          # the masks of the recipes: top-k by score
+_SET_ASIDE = {'l1_unstructured': _TOPK, 'global_unstructured': _TOPK, 'nm_mask': _TOPK[1:],
               'channel_importance': ('slice_norms', 'ln_structured'),
-              'csr_matmul': ('csr_matmul_fast', '_csr_mm', '_csr_mm_kernel', '_csr_mm_rows64', 'sparse_conv2d')}
+              'slice_conv_bn_next': ('_cut_outputs', '_cut_inputs', '_planes', 'prune_channels'),
+              'csr_matmul': ('csr_matmul_fast', '_csr_mm', '_csr_mm_kernel', '_csr_mm_rows64', 'sparse_conv2d', 'csr_to_dense')}
 
 MODULE = ModuleSpec('05', 'pruning', reference=(
     'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.schedules'),

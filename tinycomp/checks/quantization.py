@@ -262,7 +262,10 @@ MODULE = ModuleSpec('04', 'quantization', reference=(
     'tinycomp.quantization.core', 'tinycomp.quantization.observers', 'tinycomp.quantization.kernels',
     'tinycomp.quantization.int8_conv', 'tinycomp.quantization.layers', 'tinycomp.quantization.models',
     'tinycomp.quantization.analysis'),
-    set_aside={'multiply_by_quantized_multiplier': ('_mbqm',)},    # the scalar Numba version the module provides
+    # the scalar Numba version and the row requantization the module provides answer the integer arithmetic; the
+    # per-channel observer answers the per-channel ranges
+    set_aside={'multiply_by_quantized_multiplier': ('_mbqm', '_requant_rows'), 'requantize': ('_requant_rows',),
+               'per_channel_qparams': ('PerChannelMinMaxObserver._update',)},
     checks=[
     Check('calculate_qparams', 'asymmetric_int8', 1, _qparams_inputs('int8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'asymmetric_uint8', 1, _qparams_inputs('uint8', False), _run_qparams, exact_dtype=True),

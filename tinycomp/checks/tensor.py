@@ -182,7 +182,10 @@ def _run_adam(ns, i):
 
 # %% ../../nbs/checks/01_tensor.ipynb #62ccd40e
 # provided code that would answer an exercise is set aside while that exercise is graded
-_SET_ASIDE = {'log_softmax_forward': ('_softmax',), 'log_softmax_backward': ('_softmax',)}
+# the module's softmax would answer log-softmax, and its backpropagation (`Tensor.backward`) the backward rules:
+# both are set aside while those exercises are graded
+_SET_ASIDE = {'log_softmax_forward': ('_softmax',), 'log_softmax_backward': ('_softmax', '_backward'),
+              **{e: ('_backward',) for e in ('add_backward', 'mul_backward', 'matmul_backward', 'relu_backward')}}
 
 MODULE = ModuleSpec('01', 'tensor', reference=('tinycomp.tensor', 'tinycomp.nn.functional', 'tinycomp.nn.modules', 'tinycomp.optim'),
                     set_aside=_SET_ASIDE, checks=[

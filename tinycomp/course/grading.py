@@ -188,16 +188,21 @@ def _exercise_result(number, name, checks, cases, possible):
             lines.append(f"{x.check} [{x.case} inputs: {_inputs_text(x.inputs)}]: {x.message}{also}")
     return ExerciseResult(number, name, earned, possible, status, '\n'.join(lines), statuses, cases)
 
+def _compared(j, r) -> dict:
+    """The finished result `r` of job `j` with its arrays replaced by the verdict on them (`(status, message)`):
+    compared as soon as it arrives, so the grader never holds more than one result's arrays."""
+    if r.get('modified'):
+        names = ', '.join(f"`{m}`" for m in r['modified'])
+        verdict = 'fail', f"changed its input {names} in place; leave inputs unmodified (work on a copy)"
+    else:
+        got = {**r['arrays'], **j.check.oracle_outputs(j.inputs, r.get('calls', []))}   # the grader's count wins
+        ok, msg = compare_outputs(j.expected, got, j.check)
+        verdict = ('pass' if ok else 'fail'), msg
+    return {k: v for k, v in r.items() if k != 'arrays'} | {'verdict': verdict}
+
 def _case_result(j, r, line_map) -> CaseResult:
     "The verdict on job `j` given the child's result `r` (and the oracle calls the runner counted)."
-    if r['status'] == 'done':
-        if r.get('modified'):
-            names = ', '.join(f"`{m}`" for m in r['modified'])
-            status, msg = 'fail', f"changed its input {names} in place; leave inputs unmodified (work on a copy)"
-        else:
-            got = {**r['arrays'], **j.check.oracle_outputs(j.inputs, r.get('calls', []))}   # the grader's count wins
-            ok, msg = compare_outputs(j.expected, got, j.check)
-            status = 'pass' if ok else 'fail'
+    if r['status'] == 'done': status, msg = (r if 'verdict' in r else _compared(j, r))['verdict']
     elif r.get('grader'): status, msg = 'grader', r.get('message', '')
     elif r['status'] == 'error' and r.get('type') == 'NotImplementedError' and 'Exercise' in r.get('message', ''):
         status, msg = 'todo', 'not done yet' + where(r, line_map, code=False)
@@ -214,7 +219,7 @@ def _learner_code(spec, notebooks):
 def _run(spec, code, jobs, spec_ref, **kw) -> dict:
     "Run `jobs` on `code` in a private scratch folder that is gone afterwards, whatever the code did to it."
     work = Path(tempfile.mkdtemp(prefix=f'tinycomp-grade-{spec.key}-'))
-    try: return run_jobs(spec, code, jobs, work, spec_ref or spec.origin, **kw)
+    try: return run_jobs(spec, code, jobs, work, spec_ref or spec.origin, accept=_compared, **kw)
     finally: remove_tree(work)
 
 def grade_notebook(spec: ModuleSpec, notebooks, seed: int = None, prepared=None, spec_ref: str = None,

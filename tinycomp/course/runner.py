@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['MAX_RESULT', 'DEFAULT_MEM_LIMIT', 'TREE_MEMORY', 'IMPORT_TIMEOUT', 'POLL', 'RETRIES', 'ChannelError', 'Channel',
-           'decode_arrays', 'dependency_source', 'set_aside', 'wall_cap', 'stop_children', 'Child', 'Budget',
+           'decode_arrays', 'dependency_source', 'wall_cap', 'OutputTail', 'stop_children', 'Child', 'Budget',
            'child_error', 'Group', 'run_jobs']
 
 # %% ../../nbs/98f_runner.ipynb #5e7f6bfb
@@ -26,8 +26,9 @@ import numpy as np
 
 from ..errors import GradingError
 from .child import MAX_HEADER, frame
+from .provided import provided_bodies, set_aside
 from .refs import save_npz
-from .sandbox import SCRATCH, TreeClock, TreeLimit, allowed_import_names, bwrap_path, remove_tree, sandbox_args, sandbox_env, sandbox_problem
+from .sandbox import SCRATCH, TreeClock, TreeLimit, allowed_import_names, machine_cpu, machine_cpus, bwrap_path, remove_tree, sandbox_args, sandbox_env, sandbox_problem
 from .spec import ModuleSpec, package_dir
 from ..files import atomic_write
 
@@ -51,6 +52,7 @@ class Channel:
         if len(self.buf) < 8 + hl + pl: return None
         try: header = json.loads(bytes(self.buf[8:8 + hl]))
         except (UnicodeDecodeError, ValueError): raise ChannelError("a message that is not JSON") from None
+        except RecursionError: raise ChannelError("a message nested too deeply") from None
         if not isinstance(header, dict): raise ChannelError("a message that is not a JSON object")
         payload = bytes(self.buf[8 + hl:8 + hl + pl])
         del self.buf[:8 + hl + pl]
@@ -141,22 +143,6 @@ def dependency_source(spec: ModuleSpec, names, exercise: str = None) -> str:
     body = [ast.get_source_segment(srcs[m], node) for m, node in sorted(nodes, key=lambda mn: (mn[0], mn[1].lineno))]
     return '\n'.join(dict.fromkeys(imports)) + '\n\n' + '\n\n'.join(body) + '\n'
 
-def set_aside(code: str, names, exercise: str) -> str:
-    """The learner's `code` with the top-level functions `names` replaced by stubs that raise, every other line where it
-    was: helpers a module provides that would answer `exercise` (a fast version of the naive function the exercise
-    asks for, say) are not there while it is graded, not even through a reference taken at import time."""
-    if not names: return code
-    try: tree = ast.parse(code)
-    except SyntaxError: return code                   # the child reports the syntax error with its line
-    lines = code.split('\n')
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            message = f"`{node.name}` is set aside while `{exercise}` is graded: it would answer the exercise; write it without it"
-            lines[first - 1:node.end_lineno] = [f"def {node.name}(*args, **kwargs): raise NotImplementedError({message!r})"] + \
-                                               [''] * (node.end_lineno - first)
-    return '\n'.join(lines)
-
 # %% ../../nbs/98f_runner.ipynb #99108d54
 DEFAULT_MEM_LIMIT = 3 << 30      # bytes of address space per process; Numba/LLVM need about 1 GiB of it
 TREE_MEMORY = 2 << 30            # bytes of memory for a child's whole process tree (when a cgroup can be made)
@@ -168,9 +154,28 @@ def wall_cap(limit) -> float:
     "Seconds a step may take on the clock: only code that waits instead of computing (or a starved child) gets there."
     return 3 * limit + 10
 
-def _tail(path, n=600):
-    try: return Path(path).read_text(errors='replace')[-n:].strip()
-    except OSError: return ''
+class OutputTail:
+    """What a child prints (stdout and stderr), read from a pipe by a thread that keeps only the last `keep` bytes:
+    nothing reaches a disk, however much the learner's code prints."""
+    def __init__(self, keep=64 << 10):
+        self.read_fd, self.write_fd = os.pipe()
+        self.keep, self.data, self._stop = keep, bytearray(), threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self):
+        while not self._stop.is_set():
+            if not select.select([self.read_fd], [], [], 0.2)[0]: continue
+            chunk = os.read(self.read_fd, 1 << 16)
+            if not chunk: break
+            self.data += chunk
+            if len(self.data) > 2 * self.keep: del self.data[:-self.keep]
+
+    def text(self, n=600) -> str: return bytes(self.data[-n:]).decode('utf-8', 'replace').strip()
+
+    def close(self):
+        self._stop.set(); self.thread.join(2)
+        if not self.thread.is_alive(): os.close(self.read_fd)
 
 def _child_env(work, sandboxed, sys_path=()):
     env = sandbox_env() if sandboxed else {**os.environ, 'PYTHONDONTWRITEBYTECODE': '1'}
@@ -193,27 +198,30 @@ def stop_children():
 
 class Child:
     "One grading child process (sandboxed or not, inside a cgroup when one is given), its channels and its CPU clock."
-    def __init__(self, work, job_file, log, sandbox_cmd=None, tree=None, sys_path=()):
+    def __init__(self, work, job_file, sandbox_cmd=None, tree=None, sys_path=()):
         if _STOPPED.is_set(): raise GradingError("grading was interrupted")
         r, w = os.pipe()              # results and questions, child -> parent
         cr, cw = os.pipe()            # answers to oracle calls, parent -> child
+        os.set_blocking(cw, False)    # a child that does not read its answers must not block the parent
         argv = [sys.executable, '-c', 'import sys; from tinycomp.course.child import child_main; '
                 'child_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))', str(job_file), str(cr), str(w)]
         if sandbox_cmd: argv = sandbox_cmd + argv
         if tree is not None: argv = tree.wrap(argv)
-        with open(log, 'wb') as logf:
-            self.proc = subprocess.Popen(argv, cwd=work, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         pass_fds=(w, cr), start_new_session=True,
-                                         env=_child_env(work, sandbox_cmd is not None, sys_path))
-        os.close(w); os.close(cr)
-        self.channel, self.answers, self.tree, self.log = Channel(r), cw, tree, log
+        self.output = OutputTail()
+        self.proc = subprocess.Popen(argv, cwd=work, stdout=self.output.write_fd, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, pass_fds=(w, cr), start_new_session=True,
+                                     env=_child_env(work, sandbox_cmd is not None, sys_path))
+        os.close(w); os.close(cr); os.close(self.output.write_fd)
+        self.channel, self.answers, self.tree = Channel(r), cw, tree
         self.clock, self._closing = TreeClock(self.proc.pid, tree), threading.Lock()
         with _LIVE_LOCK: _LIVE.add(self)
 
-    def answer(self, header: dict):
-        "Send an answer to an oracle call (a few bytes: the pipe never fills)."
+    def answer(self, header: dict) -> bool:
+        "Send an answer to an oracle call; False when the pipe is full (the child does not read its answers)."
         try: os.write(self.answers, frame(header))
+        except BlockingIOError: return False
         except OSError: pass          # the child is gone: its result says what happened
+        return True
 
     def exit_code(self):
         try: return self.proc.wait(timeout=5)
@@ -223,7 +231,7 @@ class Child:
         if self.tree is not None and self.tree.out_of_memory():
             return (f"the processes of your code ran out of memory {during} (they may use {self.tree.memory >> 20} MiB "
                     "together) and were stopped")
-        return f"the process running your code exited (code {self.exit_code()}) {during}. {_tail(self.log, 300)}"
+        return f"the process running your code exited (code {self.exit_code()}) {during}. {self.output.text(300)}"
 
     def close(self):
         "Kill the child and everything it started; wait until all of it is gone. (Closing twice does nothing.)"
@@ -236,18 +244,21 @@ class Child:
             if self.tree is not None: self.tree.kill_all()
             os.close(self.channel.fd); self.channel.fd = None
             os.close(self.answers)
+            self.output.close()
         with _LIVE_LOCK: _LIVE.discard(self)
 
 class Budget:
     """The CPU time a child may use for one step (importing, or one check) and a clock-time cap. `spent()` says which
     ran out: 'cpu' (the code computed too long: its fault), 'stalled' (it waited without computing: sleep, input, a
-    lock: its fault too) or 'starved' (it wanted a CPU and the machine did not give it one: not its fault)."""
-    def __init__(self, clock, limit):
-        self.clock, self.limit = clock, limit
+    lock: its fault too) or 'starved' (it wanted a CPU while other processes, not its own, kept the machine busy: not
+    its fault). What other processes used is read from the machine's counters (`machine`), which the learner's code
+    cannot inflate: its own processes' time is subtracted, and making them wait for each other makes nobody else busy."""
+    def __init__(self, clock, limit, machine=machine_cpu):
+        self.clock, self.limit, self.machine = clock, limit, machine
         self.restart()
 
     def restart(self):
-        self.cpu0, self.wait0, self.t0 = self.clock.cpu(), self.clock.waiting(), time.monotonic()
+        self.cpu0, self.wait0, self.t0, self.busy0 = self.clock.cpu(), self.clock.waiting(), time.monotonic(), self.machine()
 
     def used(self) -> float: return self.clock.cpu() - self.cpu0
 
@@ -257,7 +268,10 @@ class Budget:
         if used > self.limit: return 'cpu'
         wall = time.monotonic() - self.t0
         if wall < wall_cap(self.limit): return None
-        return 'starved' if used + self.clock.waiting() - self.wait0 > 0.5 * wall else 'stalled'
+        wanted = used + self.clock.waiting() - self.wait0 > 0.5 * wall
+        busy, cpus = self.machine(), machine_cpus()
+        others = busy - self.busy0 - used
+        return 'starved' if wanted and others > 0.5 * cpus * wall else 'stalled'
 
     def message(self, why, what) -> str:
         wall = time.monotonic() - self.t0
@@ -269,14 +283,15 @@ class Budget:
                 "This says nothing about your code: grade again when the machine is less busy")
 
     def recv(self, channel):
-        "The child's next message, or `TimeoutError` once `spent()` says the step is over (its reason in `.why`)."
+        """The child's next message, or `TimeoutError` once `spent()` says the step is over (its reason in `.why`):
+        looked at between messages too, so a child that sends message after message still meets its budget."""
         while True:
+            why = self.spent()
+            if why:
+                e = TimeoutError(why); e.why = why
+                raise e
             try: return channel.recv(time.monotonic() + POLL)
-            except TimeoutError:
-                why = self.spent()
-                if why:
-                    e = TimeoutError(why); e.why = why
-                    raise e from None
+            except TimeoutError: continue
 
 # %% ../../nbs/98f_runner.ipynb #c57eb7ce
 _ERROR_FIELDS = {'type': str, 'message': str, 'text': str, 'func': str, 'file_line': int, 'numba': bool}
@@ -293,16 +308,20 @@ def child_error(header: dict) -> dict:
 
 class Group:
     "The jobs of one exercise and what their children see: only this exercise's inputs and reference dependencies."
-    def __init__(self, spec, exercise, jobs, module_code, common, work, deps_source, timeouts, import_timeout, start):
+    def __init__(self, spec, exercise, jobs, module_code, common, work, deps_source, timeouts, import_timeout, start,
+                 accept=None):
         self.spec, self.exercise, self.jobs, self.code, self.common = spec, exercise, jobs, module_code, common
         self.work, self.deps_source, self.timeouts, self.import_timeout, self.start = work, deps_source, timeouts, import_timeout, start
+        self.accept = accept          # turns a result into what is kept of it (its verdict), as soon as it arrives
+        self.copies = provided_bodies(spec, spec.set_aside.get(exercise, ()))   # what copies of set-aside helpers look like
         self.retries, self.import_retries = {}, 0
 
     def _folder(self, remaining) -> tuple:
         "A fresh folder for one child: the learner's module, the inputs it may see, the job and its dependencies."
         folder = Path(tempfile.mkdtemp(prefix='child_', dir=self.work))
         module_file = folder / f"{self.common['module_name']}.py"
-        module_file.write_text(set_aside(self.code, self.spec.set_aside.get(self.exercise, ()), self.exercise), encoding='utf-8')
+        names = self.spec.set_aside.get(self.exercise, ())
+        module_file.write_text(set_aside(self.code, names, self.exercise, self.copies), encoding='utf-8')
         deps_file = folder / 'reference_dependencies.py'
         deps_file.write_text(self.deps_source, encoding='utf-8')
         for j in remaining: save_npz(folder / f"in_{j.id}.npz", j.check.visible(j.inputs))
@@ -318,7 +337,7 @@ class Group:
         results, remaining = {}, list(self.jobs)
         while remaining:
             folder, job_file = self._folder(remaining)
-            child = self.start(folder, job_file, self.work / f"log_{folder.name}.txt")
+            child = self.start(folder, job_file)
             try:
                 imported = self._import(child)
                 if imported is not True:
@@ -384,13 +403,17 @@ class Group:
             if event == 'query':
                 reply = self._answer(job, header.get('args'), calls)
                 if reply is None: return bad
-                child.answer(reply); continue
+                if not child.answer(reply):
+                    return {'status': 'error', 'type': 'BadResult', 'restart': True,
+                            'message': "your code asked the grader one question after another without reading the answers"}
+                continue
             if event == 'error': return {**child_error(header), 'status': 'error', 'calls': calls}
             try: arrays = decode_arrays(header.get('arrays'), payload)
             except ValueError as e: return {'status': 'error', 'type': 'BadResult', 'message': f"your code sent back a malformed result ({e})"}
             modified = header.get('modified') or []
-            return {'status': 'done', 'arrays': arrays, 'calls': calls,
+            done = {'status': 'done', 'arrays': arrays, 'calls': calls,
                     'modified': [str(m) for m in modified][:20] if isinstance(modified, list) else []}
+            return self.accept(job, done) if self.accept else done
 
     def _answer(self, job, args, calls):
         "The answer to one oracle call of `job`, counted here where the learner's code cannot reach the count (None: not a call)."
@@ -398,6 +421,7 @@ class Group:
         if oracle is None or not isinstance(args, list): return None
         if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args): return None
         calls.append(tuple(args))
+        if len(calls) > oracle.max_calls + 1: return None       # it was told; asking on is not a call
         if len(calls) > oracle.max_calls: return {'error': f"called more than {oracle.max_calls} times"}
         try: return {'value': oracle.answer(job.inputs, *args)}
         except (TypeError, ValueError, ArithmeticError) as e: return {'error': f"{type(e).__name__}: {e}"}
@@ -405,10 +429,11 @@ class Group:
 # %% ../../nbs/98f_runner.ipynb #4d6313d5
 def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_ref: str, sys_path=(),
              mem_limit=DEFAULT_MEM_LIMIT, import_timeout=IMPORT_TIMEOUT, sandbox=False, tree_memory=TREE_MEMORY,
-             hidden_files=()) -> dict:
+             hidden_files=(), accept=None) -> dict:
     """Run `jobs` on the learner's `module_code`, one child per exercise, each in a fresh folder of its own under
     `work` holding only that exercise's inputs and the reference versions of the other exercises it calls; in the
-    sandbox, `hidden_files` (and the module's reference files and outputs) are not visible. Returns `{job id: result}`."""
+    sandbox, `hidden_files` (and the module's reference files and outputs) are not visible. Returns `{job id: result}`,
+    each result passed through `accept(job, result)` as it arrives when given (so only verdicts are kept, not arrays)."""
     work = Path(work)
     timeouts = {c.id: c.timeout for c in spec.checks}    # the spec's limits (jobs may come from a shared preparation)
     allowed = allowed_import_names()
@@ -418,10 +443,10 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
               'hidden': list(spec.hidden()), 'own': list(spec.reference)}    # modules the child's blocker refuses
     if sandbox and not bwrap_path(): raise GradingError(f"the sandbox is not available: {sandbox_problem()}")
     hidden = [_module_file(m) for m in common['hidden']] + [Path(f) for f in hidden_files]
-    def start(folder, job_file, log):
+    def start(folder, job_file):
         cmd = sandbox_args(folder, package_dir(), hidden_files=hidden, hidden_dirs=[Path(spec.refs_dir)],
                            read_only=sys_path) if sandbox else None
-        return Child(folder, job_file, log, cmd, tree, sys_path)
+        return Child(folder, job_file, cmd, tree, sys_path)
     tree = TreeLimit.create(tree_memory, pids=64 + (os.cpu_count() or 1))
     groups = {}
     for j in jobs: groups.setdefault(j.check.exercise, []).append(j)
@@ -430,7 +455,7 @@ def run_jobs(spec: ModuleSpec, module_code: str, jobs: list, work: Path, spec_re
         for exercise, group in groups.items():
             deps = spec.deps_of(exercise)
             source = dependency_source(spec, deps, exercise) if deps else ''
-            got = Group(spec, exercise, group, module_code, common, work, source, timeouts, import_timeout, start).run()
+            got = Group(spec, exercise, group, module_code, common, work, source, timeouts, import_timeout, start, accept).run()
             results.update(got)
             failed = next((r for r in got.values() if r.get('phase') == 'import'), None)
             if failed is not None and not failed.get('grader'):   # the code does not import: no other child will do better

@@ -49,7 +49,8 @@ def output_shape(module, in_shape) -> tuple:
     """Shape (a tuple of ints) of what the leaf layer `module` returns for an input of shape `in_shape`.
 
     TODO: follow the table above for Linear, Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d, ReLU,
-    Sigmoid, Tanh, Dropout and Flatten; raise a `TinycompError` naming the type for any other layer.
+    Sigmoid, Tanh, Dropout and Flatten; raise a `TinycompError` naming the type for any other layer. The checks pass
+    shapes far larger than any array (a height of 10**12): compute the shape from the layer's settings, never run it.
     APPROACH: `isinstance` tests, one per row of the table. For the conv and the pools, compute each spatial size with
     `conv_output_size(size, kernel, stride, padding, dilation)` from pairs of the layer's settings.
     HINTS: pools store their arguments as given (an int, a pair, or `stride=None` meaning the kernel size), so pass

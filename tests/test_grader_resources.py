@@ -1,0 +1,235 @@
+"""What a learner's code may cost the grader, and what it may make the grader believe: it cannot make the grader hang,
+hold its results in memory, write its output to the grader's disk, fill a folder of the sandbox outside its scratch,
+pass its own stalling off as a busy machine, or turn a malformed message or unreadable code into a "grader error".
+Each attack has a control showing what it measures."""
+import copy, json, os, subprocess, sys, threading, time
+from pathlib import Path
+
+import pytest
+
+from tinycomp.course.grading import grade_notebook
+from tinycomp.course.notebooks import read_notebook
+from tinycomp.course.refs import prepare_checks
+from tinycomp.course.spec import get_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def student_with(tmp, key, source):
+    "Module `key`'s student notebooks with an export cell `source` appended to the last part, written under `tmp`."
+    parts = sorted((ROOT / 'modules' / get_spec(key).folder).glob('*.ipynb'))
+    tmp.mkdir(parents=True, exist_ok=True)
+    for p in parts:
+        nb = read_notebook(p)
+        if p == parts[-1]:
+            nb = copy.deepcopy(nb)
+            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
+                                'source': '#| export\n' + source})
+        (tmp / p.name).write_text(json.dumps(nb))
+    return tmp
+
+
+def by_name(report): return {e.name: e for e in report.exercises}
+
+
+ORACLE_FLOOD = '''
+def largest_batch(memory_of, budget, max_batch=4096):
+    "Ask the grader question after question without ever reading an answer."
+    from tinycomp.course.child import _send
+    cells = dict(zip(memory_of.__code__.co_freevars, (c.cell_contents for c in memory_of.__closure__)))
+    for _ in range(100000): _send(cells['out'], {'event': 'query', 'job': cells['job_id'], 'args': [1]})
+    return 1
+'''
+
+
+def test_questions_never_read_cannot_hang_the_grader(sandbox, tmp_path):
+    spec = get_spec('03')
+    t0 = time.monotonic()
+    r = grade_notebook(spec, student_with(tmp_path, '03', ORACLE_FLOOD), prepared=prepare_checks(spec, 5), sandbox=True)
+    e = by_name(r)['largest_batch']
+    assert e.points == 0 and r.complete and time.monotonic() - t0 < 300
+    assert 'without reading the answers' in e.diagnosis or 'called more than' in e.diagnosis, e.diagnosis
+
+
+BIG_RESULTS = '''
+def _big(*a, **k): return np.zeros((SIZE << 20) // 4, np.float32)
+conv2d_naive = im2col = conv2d_direct_kernel = conv2d_weight_grad_kernel = max_pool2d_backward = _big
+'''
+
+GRADE_AND_REPORT_MEMORY = '''
+import resource, sys
+from tinycomp.course.grading import grade_notebook
+from tinycomp.course.refs import prepare_checks
+from tinycomp.course.spec import get_spec
+spec = get_spec('02')
+r = grade_notebook(spec, sys.argv[1], prepared=prepare_checks(spec, 3), sandbox=False)
+print(r.points, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+'''
+
+
+def test_the_grader_holds_one_result_at_a_time(tmp_path):
+    "Every check answers with 60 MiB: compared on arrival, the grader's memory grows by one result, not by all of them."
+    def peak(size):
+        nbs = student_with(tmp_path / str(size), '02', BIG_RESULTS.replace('SIZE', str(size)))
+        out = subprocess.run([sys.executable, '-c', GRADE_AND_REPORT_MEMORY, str(nbs)], capture_output=True, text=True,
+                             timeout=900, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        points, mib = out.stdout.split()[-2:]
+        assert float(points) == 0
+        return int(mib)
+    small, big = peak(1), peak(60)
+    jobs = len(prepare_checks(get_spec('02'), 3)[1])
+    assert jobs * 60 > 1000                                          # holding them all would take over a GiB
+    assert big - small < 4 * 60, (small, big)                        # a few results' worth (decoding, comparing)
+
+
+FLOOD_OUTPUT = '''
+import os as _os
+_chunk = b'x' * (1 << 20)
+try:
+    for _ in range(64): _os.write(1, _chunk)
+except OSError: pass
+def _crash(*a, **k): _os._exit(3)
+conv2d_naive = im2col = conv2d_direct_kernel = conv2d_weight_grad_kernel = max_pool2d_backward = _crash
+'''
+
+
+def _size_of(folder) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for f in files:
+            try: total += os.lstat(os.path.join(root, f)).st_size
+            except OSError: pass
+    return total
+
+
+def test_what_a_child_prints_never_reaches_the_graders_disk(tmp_path, monkeypatch):
+    "64 MiB printed by every child (one per check, each crashing): the grader keeps a short tail in memory, no file."
+    import tempfile
+    work = tmp_path / 'work'; work.mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(work))
+    nbs = student_with(tmp_path / 'nb', '02', FLOOD_OUTPUT)
+    peak, done = [0], threading.Event()
+    def watch():
+        while not done.is_set(): peak[0] = max(peak[0], _size_of(work)); time.sleep(0.05)
+    t = threading.Thread(target=watch); t.start()
+    try: r = grade_notebook(get_spec('02'), nbs, prepared=prepare_checks(get_spec('02'), 3), sandbox=False)
+    finally: done.set(); t.join()
+    assert r.points == 0 and 'exited (code 3)' in by_name(r)['conv2d_naive'].diagnosis
+    assert peak[0] < 8 << 20, f"{peak[0] >> 20} MiB on the grader's disk"      # inputs and code only
+
+
+FILL_OTHER_PLACES = r'''
+import glob as _glob, os as _os, sys as _sys, tinycomp as _tc
+_wrote, _refused = {}, set()
+_places = ['/dev', '/dev/shm', _os.path.join(_os.path.dirname(_tc.__file__), '__pycache__')]
+_places += [p for p in _sys.path if p.endswith('site-packages')][:1]
+for _where in _places:
+    _wrote[_where] = 0
+    try:
+        for _i in range(40):
+            with open(_os.path.join(_where, f'fill{_i}'), 'wb') as _f:
+                for _ in range(48): _f.write(b'\1' * (1 << 20)); _wrote[_where] += 1
+    except OSError as _e: _refused.add(f'{_where}: {_e.strerror}')
+raise RuntimeError(f'FILL wrote {_wrote} refused {sorted(_refused)}')
+'''
+
+
+def test_no_folder_of_the_sandbox_but_its_scratch_takes_more_than_a_little(sandbox, tmp_path):
+    "The empty folders that hide things are read-only, and /dev/shm holds 16 MiB: memory a learner cannot hoard."
+    r = grade_notebook(get_spec('01'), student_with(tmp_path, '01', FILL_OTHER_PLACES),
+                       prepared=prepare_checks(get_spec('01'), 3), sandbox=True)
+    wrote = eval(r.error.split('FILL wrote ')[1].split(' refused')[0])
+    assert len(wrote) == 4 and 0 < wrote['/dev/shm'] <= 16 and sum(wrote.values()) == wrote['/dev/shm'], r.error
+    assert '/dev/shm: No space left on device' in r.error and '/dev: Read-only file system' in r.error, r.error
+
+
+FAKE_STARVATION = '''
+def relu_backward(grad, x):
+    "Wrong on purpose: it never computes; its processes queue for one CPU to look like a machine too busy to grade."
+    import os, time
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    def burst():
+        while True:
+            now = time.time(); time.sleep((int(now * 2) + 1) / 2 - now)
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.001: pass
+    for _ in range(50):
+        if os.fork() == 0:
+            try: burst()
+            finally: os._exit(0)
+    while True: time.sleep(1)
+'''
+
+
+def test_processes_queueing_for_one_cpu_are_the_learners_stall_not_a_busy_machine(sandbox, tmp_path):
+    spec = get_spec('01')
+    jobs = [j for j in prepare_checks(spec, 3)[1] if j.check.exercise == 'relu_backward']
+    r = grade_notebook(spec, student_with(tmp_path, '01', FAKE_STARVATION), prepared=(3, jobs), sandbox=True)
+    e = by_name(r)['relu_backward']
+    assert e.status == 'timeout' and 'is it sleeping' in e.diagnosis and r.complete, (e.status, e.diagnosis)
+
+
+DEEP_CODE = '_x = a' + '.b' * 300000 + '\n'
+
+DEEP_MESSAGE = '''
+import os as _os, struct as _st, sys as _sys
+def unbroadcast(grad, shape):
+    h = ('[' * 30000 + ']' * 30000).encode()
+    _os.write(int(_sys.argv[3]), _st.pack('>II', len(h), 0) + h)
+    _os._exit(0)
+'''
+
+
+def test_code_or_messages_nested_too_deeply_are_the_learners_error(tmp_path):
+    "Neither is a 'grader error' that leaves the row incomplete for ever; a deep message costs only its exercise."
+    spec, prepared = get_spec('01'), prepare_checks(get_spec('01'), 3)
+    r = grade_notebook(spec, student_with(tmp_path / 'code', '01', DEEP_CODE), prepared=prepared)
+    assert r.points == 0 and r.complete and 'recursion' in r.error.lower(), r.error[:300]
+    solutions = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
+    folder = tmp_path / 'msg'; folder.mkdir()
+    for p in solutions: (folder / p.name).write_text(p.read_text())
+    nb = json.loads(solutions[-1].read_text())
+    nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
+                        'source': '#| export\n' + DEEP_MESSAGE})
+    (folder / solutions[-1].name).write_text(json.dumps(nb))
+    r = grade_notebook(spec, folder, prepared=prepared)
+    e = by_name(r)
+    assert e['unbroadcast'].points == 0 and 'nested too deeply' in e['unbroadcast'].diagnosis, e['unbroadcast'].diagnosis
+    assert r.complete and r.points == spec.possible - e['unbroadcast'].possible      # the control: everything else passes
+
+
+RENAMED_COPY = '''
+def _my_softmax(self, axis=-1):
+    shifted = np.exp(self.data - self.data.max(axis=axis, keepdims=True))
+    s = shifted / shifted.sum(axis=axis, keepdims=True)
+    return Tensor.from_op(s, (self,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax')
+
+def log_softmax_forward(x, axis=-1):
+    return np.log(_my_softmax(Tensor(x), axis).data)
+'''
+
+HIDDEN_COPY = '''
+if True:
+    class _Helpers:
+        @staticmethod
+        def normalise(t, axis=-1):
+            shifted = np.exp(t.data - t.data.max(axis=axis, keepdims=True))
+            s = shifted / shifted.sum(axis=axis, keepdims=True)
+            return Tensor.from_op(s, (t,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax')
+
+def log_softmax_forward(x, axis=-1):
+    return np.log(_Helpers.normalise(Tensor(x), axis).data)
+'''
+
+
+@pytest.mark.parametrize('copy_of_helper', [RENAMED_COPY, HIDDEN_COPY], ids=['renamed', 'in_a_class_in_an_if'])
+def test_a_copy_of_a_helper_set_aside_is_set_aside_too(tmp_path, monkeypatch, copy_of_helper):
+    "The module's softmax answers `log_softmax_forward`: a renamed copy of it, or one hidden in a class inside an `if`, is stubbed as well."
+    from tinycomp.course import runner
+    spec, prepared = get_spec('01'), prepare_checks(get_spec('01'), 3)
+    nbs = student_with(tmp_path / 'copy', '01', copy_of_helper)
+    e = by_name(grade_notebook(spec, nbs, prepared=prepared))['log_softmax_forward']
+    assert e.points == 0 and 'set aside' in e.diagnosis, e.diagnosis
+    monkeypatch.setattr(runner, 'provided_bodies', lambda spec, names: {})     # the control: copies not looked for
+    assert by_name(grade_notebook(spec, nbs, prepared=prepared))['log_softmax_forward'].points > 0
