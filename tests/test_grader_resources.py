@@ -233,3 +233,20 @@ def test_a_copy_of_a_helper_set_aside_is_set_aside_too(tmp_path, monkeypatch, co
     assert e.points == 0 and 'set aside' in e.diagnosis, e.diagnosis
     monkeypatch.setattr(runner, 'provided_bodies', lambda spec, names: {})     # the control: copies not looked for
     assert by_name(grade_notebook(spec, nbs, prepared=prepared))['log_softmax_forward'].points > 0
+
+
+ASKING_ON = '''
+def largest_batch(memory_of, budget, max_batch=4096):
+    "Go on asking after being told the number of calls is used up."
+    for _ in range(20000):
+        try: memory_of(1)
+        except Exception: pass
+    return 1
+'''
+
+
+def test_asking_on_past_the_limit_is_named_for_what_it_is(tmp_path):
+    from tinycomp.checks.profiling import _MEMORY
+    spec, prepared = get_spec('03'), prepare_checks(get_spec('03'), 3)
+    e = by_name(grade_notebook(spec, student_with(tmp_path / 'ask', '03', ASKING_ON), prepared=prepared))['largest_batch']
+    assert e.points == 0 and f'told that {_MEMORY.max_calls} calls is the limit' in e.diagnosis, e.diagnosis

@@ -134,7 +134,8 @@ def _few_calls(i, calls):
     import math
     return {'few_calls': np.array(int(len(calls) <= 2 * (2 * math.ceil(math.log2(int(i['max_batch']))) + 2)))}
 
-_MEMORY = Oracle(hidden=('model', 'step'), answer=_memory_of, report=_few_calls)
+# a linear scan up to max_batch (4096) still gets its answers; a flood of questions costs the grader seconds, not minutes
+_MEMORY = Oracle(hidden=('model', 'step'), answer=_memory_of, report=_few_calls, max_calls=10_000)
 
 def _run_batch(ns, i, memory_of):
     results, raised = [], []

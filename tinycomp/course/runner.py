@@ -402,6 +402,9 @@ class Group:
             if event == 'begin': begun = True; budget.restart(); continue
             if event == 'query':
                 reply = self._answer(job, header.get('args'), calls)
+                if reply is None and job.check.oracle and len(calls) > job.check.oracle.max_calls + 1:
+                    return {**bad, 'message': f"your code went on calling after it was told that {job.check.oracle.max_calls} "
+                                              "calls is the limit"}
                 if reply is None: return bad
                 if not child.answer(reply):
                     return {'status': 'error', 'type': 'BadResult', 'restart': True,
