@@ -187,7 +187,7 @@ def test_grade_and_test_write_only_the_files_they_are_asked_for(tmp_path, writes
     copy_solutions(d / 'alice')
     monkeypatch.setenv('TINYCOMP_GRADING_KEY', str(tmp_path / 'k.key'))
     monkeypatch.setenv('TINYCOMP_HOME', str(tmp_path / 'home'))
-    assert main(['grade', str(d), '--module', '01', '--no-sandbox']) == 0
+    assert main(['grade', str(d), '--module', '01', '--no-sandbox', '--new-key']) == 0
     assert writes_only.check(capsys.readouterr().out, 'gradebook_01.csv') == ['gradebook_01.csv']
     assert float(rows_of('gradebook_01.csv')['alice']['total']) == SPEC.possible
     assert main(['test', '01', '--notebook', str(d / 'alice'), '--json', 'report.json', '--no-sandbox']) == 0
