@@ -250,3 +250,30 @@ def test_asking_on_past_the_limit_is_named_for_what_it_is(tmp_path):
     spec, prepared = get_spec('03'), prepare_checks(get_spec('03'), 3)
     e = by_name(grade_notebook(spec, student_with(tmp_path / 'ask', '03', ASKING_ON), prepared=prepared))['largest_batch']
     assert e.points == 0 and f'told that {_MEMORY.max_calls} calls is the limit' in e.diagnosis, e.diagnosis
+
+
+def test_scratch_folders_of_a_killed_grader_are_removed_by_the_next_run(tmp_path, monkeypatch):
+    "A grader killed with SIGKILL cannot clean up; the next run removes the folders it left, and none of a live grader."
+    import tempfile
+    dead = subprocess.Popen([sys.executable, '-c', 'pass']); dead.wait()            # a PID that no longer runs
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    left = [tmp_path / f'tinycomp-grade-01-{dead.pid}-abc', tmp_path / f'tinycomp-submission-{dead.pid}-def']
+    live = [tmp_path / f'tinycomp-grade-01-{os.getpid()}-ghi', tmp_path / f'tinycomp-other-{dead.pid}-x']
+    for d in left + live: (d / 'sub').mkdir(parents=True); (d / 'sub' / 'f').write_text('x'); os.chmod(d / 'sub', 0o500)
+    spec, prepared = get_spec('01'), prepare_checks(get_spec('01'), 3)
+    grade_notebook(spec, sorted((ROOT / 'nbs').glob('01?_*.ipynb')), prepared=prepared)
+    assert not any(d.exists() for d in left) and all(d.exists() for d in live)      # the control: a live grader's stays
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f'tinycomp-grade-01-{os.getpid()}-') and p not in live]
+
+
+def test_cgroups_of_a_killed_grader_are_removed_by_the_next_one(tree_limit, monkeypatch):
+    from tinycomp.course import sandbox
+    dead = subprocess.Popen([sys.executable, '-c', 'pass']); dead.wait()
+    real_pid = os.getpid
+    monkeypatch.setattr(sandbox.os, 'getpid', lambda: dead.pid)                 # a cgroup as a killed grader left it
+    stale = sandbox.TreeLimit.create(64 << 20)
+    monkeypatch.setattr(sandbox.os, 'getpid', real_pid)
+    assert all(d.exists() and str(dead.pid) in d.name for d in stale.dirs)
+    fresh = sandbox.TreeLimit.create(64 << 20)
+    try: assert not any(d.exists() for d in stale.dirs) and all(d.exists() for d in fresh.dirs)   # a live one stays
+    finally: fresh.close()

@@ -25,6 +25,7 @@ from ..files import atomic_write
 from .grading import _fmt, grade_notebook, is_notebook, one_per_part
 from .notebooks import read_bytes_capped
 from .refs import prepare_checks
+from .sandbox import scratch_prefix
 from .spec import ModuleSpec, get_spec
 
 # %% ../../nbs/98i_gradebook.ipynb #532c2ccc
@@ -233,7 +234,7 @@ def grade(directory, module: str, gradebook, jobs: int = 1, key: bytes = None, k
     def one(item):
         who, nbs, problem = item
         if not nbs: return _row(spec, who, nbs, kid, sandbox, problem=problem)
-        with tempfile.TemporaryDirectory(prefix='tinycomp-submission-') as private:
+        with tempfile.TemporaryDirectory(prefix=scratch_prefix('submission')) as private:
             row = lambda **kw: _row(spec, who, nbs, kid, sandbox, **kw)
             try: mine = snapshot(directory, nbs, Path(private))
             except GradingError as e: return row(problem=str(e).replace(f"{directory}/", ''))

@@ -19,7 +19,7 @@ from ..errors import GradingError
 from .notebooks import exported_code, locate, part_name, read_notebook
 from .refs import Job, prepare_checks
 from .runner import DEFAULT_MEM_LIMIT, IMPORT_TIMEOUT, run_jobs
-from .sandbox import remove_tree
+from .sandbox import remove_stale_scratch, remove_tree, scratch_prefix
 from .spec import Check, ModuleSpec
 
 # %% ../../nbs/98g_grading.ipynb #26ea5d60
@@ -218,7 +218,8 @@ def _learner_code(spec, notebooks):
 
 def _run(spec, code, jobs, spec_ref, **kw) -> dict:
     "Run `jobs` on `code` in a private scratch folder that is gone afterwards, whatever the code did to it."
-    work = Path(tempfile.mkdtemp(prefix=f'tinycomp-grade-{spec.key}-'))
+    remove_stale_scratch()
+    work = Path(tempfile.mkdtemp(prefix=scratch_prefix(f'grade-{spec.key}')))
     try: return run_jobs(spec, code, jobs, work, spec_ref or spec.origin, accept=_compared, **kw)
     finally: remove_tree(work)
 

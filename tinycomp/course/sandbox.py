@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BASE_REQUIREMENTS', 'SCRATCH', 'SCRATCH_BYTES', 'SHM_BYTES', 'bwrap_path', 'sandbox_problem', 'allowed_packages',
            'allowed_import_names', 'sandbox_args', 'sandbox_env', 'TreeLimit', 'machine_cpus', 'machine_cpu',
-           'TreeClock', 'remove_tree', 'sandbox_status']
+           'TreeClock', 'remove_tree', 'scratch_prefix', 'remove_stale_scratch', 'sandbox_status']
 
 # %% ../../nbs/98k_sandbox.ipynb #2cd0f574
 import os
@@ -177,6 +177,28 @@ def _own_cgroups() -> dict:
     except (OSError, ValueError): pass
     return out
 
+def _alive(pid: int) -> bool:
+    "Whether process `pid` runs (as far as we can tell: one we may not signal runs)."
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+def _remove_stale_cgroups(parent: Path):
+    "Remove the cgroups below `parent` that a grader made and could not remove (it was killed), killing what is left in them."
+    try: names = [p for p in parent.iterdir() if re.match(r"^tinycomp-(\d+)-[0-9a-f]+$", p.name)]
+    except OSError: return
+    for d in names:
+        if _alive(int(d.name.split('-')[1])): continue
+        try: pids = [int(p) for p in (d / 'cgroup.procs').read_text().split()]
+        except (OSError, ValueError): pids = []
+        for pid in pids:
+            try: os.kill(pid, signal.SIGKILL)
+            except OSError: pass
+        for _ in range(50):
+            try: d.rmdir(); break
+            except OSError: time.sleep(0.02)
+
 @dataclass
 class TreeLimit:
     "A cgroup with a memory limit and a process limit for a whole process tree, which also counts the tree's CPU time."
@@ -188,7 +210,7 @@ class TreeLimit:
     @classmethod
     def create(cls, memory: int, pids: int = 64):
         "A new cgroup with these limits, or None when this process cannot make one."
-        name, own = f"tinycomp-{secrets.token_hex(6)}", _own_cgroups()
+        name, own = f"tinycomp-{os.getpid()}-{secrets.token_hex(6)}", _own_cgroups()
         if (_CGROUP / 'cgroup.controllers').is_file() and '' in own:         # v2, unified
             d = _CGROUP / own[''].lstrip('/') / name
             plan = [(d, {'memory.max': memory, 'memory.swap.max': 0, 'pids.max': pids})]
@@ -201,6 +223,7 @@ class TreeLimit:
             if (_CGROUP / 'cpuacct').is_dir() and 'cpuacct' in own:
                 plan.append((_CGROUP / 'cpuacct' / own['cpuacct'].lstrip('/') / name, {}))
         else: return None
+        for d, _ in plan: _remove_stale_cgroups(d.parent)
         made = []
         try:
             for d, settings in plan:
@@ -357,6 +380,24 @@ def remove_tree(path):
             fn(p)
         except OSError: pass
     shutil.rmtree(path, onerror=retry)
+
+def scratch_prefix(kind: str) -> str:
+    "The name prefix of a grader's scratch folder: it holds the grader's PID, so a later run can tell a folder left behind."
+    return f"tinycomp-{kind}-{os.getpid()}-"
+
+_STALE = re.compile(r"^tinycomp-(?:grade-\d\d|submission)-(\d+)-")
+
+def remove_stale_scratch():
+    """Remove the scratch folders (in the temporary folder) of graders that died without removing them (killed with
+    SIGKILL, say): ours, named after a process that no longer runs."""
+    import tempfile
+    root = Path(tempfile.gettempdir())
+    try: entries = list(os.scandir(root))
+    except OSError: return
+    for e in entries:
+        m = _STALE.match(e.name)
+        if m and not _alive(int(m.group(1))) and e.is_dir(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == os.getuid():
+            remove_tree(e.path)
 
 # %% ../../nbs/98k_sandbox.ipynb #272e867d
 def sandbox_status() -> dict:
