@@ -2,31 +2,18 @@
 hold its results in memory, write its output to the grader's disk, fill a folder of the sandbox outside its scratch,
 pass its own stalling off as a busy machine, or turn a malformed message or unreadable code into a "grader error".
 Each attack has a control showing what it measures."""
-import copy, json, os, subprocess, sys, threading, time
+import ast, json, os, subprocess, sys, threading, time
 from pathlib import Path
 
 import pytest
 
 from tinycomp.course.grading import grade_notebook
-from tinycomp.course.notebooks import read_notebook
 from tinycomp.course.refs import prepare_checks
 from tinycomp.course.spec import get_spec
 
+from learner_notebooks import with_export_cell
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def student_with(tmp, key, source):
-    "Module `key`'s student notebooks with an export cell `source` appended to the last part, written under `tmp`."
-    parts = sorted((ROOT / 'modules' / get_spec(key).folder).glob('*.ipynb'))
-    tmp.mkdir(parents=True, exist_ok=True)
-    for p in parts:
-        nb = read_notebook(p)
-        if p == parts[-1]:
-            nb = copy.deepcopy(nb)
-            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
-                                'source': '#| export\n' + source})
-        (tmp / p.name).write_text(json.dumps(nb))
-    return tmp
 
 
 def by_name(report): return {e.name: e for e in report.exercises}
@@ -45,7 +32,7 @@ def largest_batch(memory_of, budget, max_batch=4096):
 def test_questions_never_read_cannot_hang_the_grader(sandbox, tmp_path):
     spec = get_spec('03')
     t0 = time.monotonic()
-    r = grade_notebook(spec, student_with(tmp_path, '03', ORACLE_FLOOD), prepared=prepare_checks(spec, 5), sandbox=True)
+    r = grade_notebook(spec, with_export_cell(tmp_path, '03', ORACLE_FLOOD), prepared=prepare_checks(spec, 5), sandbox=True)
     e = by_name(r)['largest_batch']
     assert e.points == 0 and r.complete and time.monotonic() - t0 < 300
     assert 'without reading the answers' in e.diagnosis or 'called more than' in e.diagnosis, e.diagnosis
@@ -70,8 +57,9 @@ print(r.points, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
 def test_the_grader_holds_one_result_at_a_time(tmp_path):
     "Every check answers with 60 MiB: compared on arrival, the grader's memory grows by one result, not by all of them."
     def peak(size):
-        nbs = student_with(tmp_path / str(size), '02', BIG_RESULTS.replace('SIZE', str(size)))
-        out = subprocess.run([sys.executable, '-c', GRADE_AND_REPORT_MEMORY, str(nbs)], capture_output=True, text=True,
+        folder = tmp_path / str(size)
+        with_export_cell(folder, '02', BIG_RESULTS.replace('SIZE', str(size)))
+        out = subprocess.run([sys.executable, '-c', GRADE_AND_REPORT_MEMORY, str(folder)], capture_output=True, text=True,
                              timeout=900, cwd=ROOT)
         assert out.returncode == 0, out.stderr[-2000:]
         points, mib = out.stdout.split()[-2:]
@@ -108,7 +96,7 @@ def test_what_a_child_prints_never_reaches_the_graders_disk(tmp_path, monkeypatc
     import tempfile
     work = tmp_path / 'work'; work.mkdir()
     monkeypatch.setattr(tempfile, 'tempdir', str(work))
-    nbs = student_with(tmp_path / 'nb', '02', FLOOD_OUTPUT)
+    nbs = with_export_cell(tmp_path / 'nb', '02', FLOOD_OUTPUT)
     peak, done = [0], threading.Event()
     def watch():
         while not done.is_set(): peak[0] = max(peak[0], _size_of(work)); time.sleep(0.05)
@@ -120,28 +108,30 @@ def test_what_a_child_prints_never_reaches_the_graders_disk(tmp_path, monkeypatc
 
 
 FILL_OTHER_PLACES = r'''
-import glob as _glob, os as _os, sys as _sys, tinycomp as _tc
-_wrote, _refused = {}, set()
-_places = ['/dev', '/dev/shm', _os.path.join(_os.path.dirname(_tc.__file__), '__pycache__')]
-_places += [p for p in _sys.path if p.endswith('site-packages')][:1]
-for _where in _places:
-    _wrote[_where] = 0
+import os as _os, sys as _sys, tinycomp as _tc
+_places = {'dev': '/dev', 'shm': '/dev/shm', 'pycache': _os.path.join(_os.path.dirname(_tc.__file__), '__pycache__'),
+           'site': [p for p in _sys.path if p.endswith('site-packages')][0]}
+_wrote, _refused = {}, {}  # short labels: the message a learner's error carries is cut at 300 characters
+for _label, _where in _places.items():
+    _wrote[_label] = 0
     try:
         for _i in range(40):
             with open(_os.path.join(_where, f'fill{_i}'), 'wb') as _f:
-                for _ in range(48): _f.write(b'\1' * (1 << 20)); _wrote[_where] += 1
-    except OSError as _e: _refused.add(f'{_where}: {_e.strerror}')
-raise RuntimeError(f'FILL wrote {_wrote} refused {sorted(_refused)}')
+                for _ in range(48): _f.write(b'\1' * (1 << 20)); _wrote[_label] += 1
+    except OSError as _e: _refused[_label] = _e.strerror
+raise RuntimeError(f'FILL wrote {_wrote} refused {_refused}')
 '''
 
 
 def test_no_folder_of_the_sandbox_but_its_scratch_takes_more_than_a_little(sandbox, tmp_path):
     "The empty folders that hide things are read-only, and /dev/shm holds 16 MiB: memory a learner cannot hoard."
-    r = grade_notebook(get_spec('01'), student_with(tmp_path, '01', FILL_OTHER_PLACES),
+    r = grade_notebook(get_spec('01'), with_export_cell(tmp_path, '01', FILL_OTHER_PLACES),
                        prepared=prepare_checks(get_spec('01'), 3), sandbox=True)
-    wrote = eval(r.error.split('FILL wrote ')[1].split(' refused')[0])
-    assert len(wrote) == 4 and 0 < wrote['/dev/shm'] <= 16 and sum(wrote.values()) == wrote['/dev/shm'], r.error
-    assert '/dev/shm: No space left on device' in r.error and '/dev: Read-only file system' in r.error, r.error
+    wrote, refused = r.error.split('FILL wrote ')[1].split(' (in ')[0].split(' refused ')
+    wrote, refused = ast.literal_eval(wrote), ast.literal_eval(refused)
+    assert 0 < wrote.pop('shm') <= 16 and wrote == {'dev': 0, 'pycache': 0, 'site': 0}, r.error
+    assert refused == {'dev': 'Read-only file system', 'shm': 'No space left on device',
+                       'pycache': 'Read-only file system', 'site': 'Read-only file system'}, r.error
 
 
 FAKE_STARVATION = '''
@@ -165,7 +155,7 @@ def relu_backward(grad, x):
 def test_processes_queueing_for_one_cpu_are_the_learners_stall_not_a_busy_machine(sandbox, tmp_path):
     spec = get_spec('01')
     jobs = [j for j in prepare_checks(spec, 3)[1] if j.check.exercise == 'relu_backward']
-    r = grade_notebook(spec, student_with(tmp_path, '01', FAKE_STARVATION), prepared=(3, jobs), sandbox=True)
+    r = grade_notebook(spec, with_export_cell(tmp_path, '01', FAKE_STARVATION), prepared=(3, jobs), sandbox=True)
     e = by_name(r)['relu_backward']
     assert e.status == 'timeout' and 'is it sleeping' in e.diagnosis and r.complete, (e.status, e.diagnosis)
 
@@ -184,7 +174,7 @@ def unbroadcast(grad, shape):
 def test_code_or_messages_nested_too_deeply_are_the_learners_error(tmp_path):
     "Neither is a 'grader error' that leaves the row incomplete for ever; a deep message costs only its exercise."
     spec, prepared = get_spec('01'), prepare_checks(get_spec('01'), 3)
-    r = grade_notebook(spec, student_with(tmp_path / 'code', '01', DEEP_CODE), prepared=prepared)
+    r = grade_notebook(spec, with_export_cell(tmp_path / 'code', '01', DEEP_CODE), prepared=prepared)
     assert r.points == 0 and r.complete and 'recursion' in r.error.lower(), r.error[:300]
     solutions = sorted((ROOT / 'nbs').glob('01?_*.ipynb'))
     folder = tmp_path / 'msg'; folder.mkdir()
@@ -228,7 +218,7 @@ def test_a_copy_of_a_helper_set_aside_is_set_aside_too(tmp_path, monkeypatch, co
     "The module's softmax answers `log_softmax_forward`: a renamed copy of it, or one hidden in a class inside an `if`, is stubbed as well."
     from tinycomp.course import runner
     spec, prepared = get_spec('01'), prepare_checks(get_spec('01'), 3)
-    nbs = student_with(tmp_path / 'copy', '01', copy_of_helper)
+    nbs = with_export_cell(tmp_path / 'copy', '01', copy_of_helper)
     e = by_name(grade_notebook(spec, nbs, prepared=prepared))['log_softmax_forward']
     assert e.points == 0 and 'set aside' in e.diagnosis, e.diagnosis
     monkeypatch.setattr(runner, 'provided_bodies', lambda spec, names: {})     # the control: copies not looked for
@@ -248,7 +238,7 @@ def largest_batch(memory_of, budget, max_batch=4096):
 def test_asking_on_past_the_limit_is_named_for_what_it_is(tmp_path):
     from tinycomp.checks.profiling import _MEMORY
     spec, prepared = get_spec('03'), prepare_checks(get_spec('03'), 3)
-    e = by_name(grade_notebook(spec, student_with(tmp_path / 'ask', '03', ASKING_ON), prepared=prepared))['largest_batch']
+    e = by_name(grade_notebook(spec, with_export_cell(tmp_path / 'ask', '03', ASKING_ON), prepared=prepared))['largest_batch']
     assert e.points == 0 and f'told that {_MEMORY.max_calls} calls is the limit' in e.diagnosis, e.diagnosis
 
 

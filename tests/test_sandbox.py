@@ -1,14 +1,15 @@
 """Grading that counts runs learner code in the OS sandbox. Each attack a determined learner tried against the
 grader is rerun here: under the sandbox it gets zero marks or is contained. Where an attack is harmless to run
 without the sandbox (or without the defence it tests), a control run shows it does work there, so these tests can fail."""
-import copy, csv, json, os, signal, subprocess, sys, time, uuid
+import csv, json, os, signal, subprocess, sys, time, uuid
 from pathlib import Path
 
 from tinycomp.course.grading import grade_notebook
 from tinycomp.course.gradebook import grade
-from tinycomp.course.notebooks import read_notebook
 from tinycomp.course.refs import prepare_checks
 from tinycomp.course.spec import get_spec
+
+from learner_notebooks import with_export_cell
 import pytest
 
 pytestmark = pytest.mark.grader
@@ -26,17 +27,7 @@ def prepared():
 
 def student_with(tmp, source):
     "Module 01's student notebooks with an export cell `source` appended to the last part, written under `tmp`."
-    parts = sorted((ROOT / 'modules' / '01_tensor').glob('*.ipynb'))
-    tmp.mkdir(parents=True, exist_ok=True)
-    out = []
-    for p in parts:
-        nb = read_notebook(p)
-        if p == parts[-1]:
-            nb = copy.deepcopy(nb)
-            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
-                                'source': '#| export\n' + source})
-        (tmp / p.name).write_text(json.dumps(nb)); out.append(tmp / p.name)
-    return out
+    return with_export_cell(tmp, '01', source)
 
 
 def points(r): return {e.name: e.points for e in r.exercises}
@@ -574,23 +565,11 @@ def _helper_attacks():
              ['l1_unstructured'])]
 
 
-def _with_cell(tmp, key, part_stem, code):
-    from tinycomp.course.spec import get_spec as spec_of
-    folder = ROOT / 'modules' / spec_of(key).folder
-    tmp.mkdir(parents=True, exist_ok=True)
-    for p in sorted(folder.glob('*.ipynb')):
-        nb = read_notebook(p)
-        if p.stem == part_stem:
-            nb['cells'].append({'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None, 'source': '#| export\n' + code})
-        (tmp / p.name).write_text(json.dumps(nb))
-    return tmp
-
-
 def test_helpers_a_module_provides_are_set_aside_while_the_exercise_they_answer_is_graded(sandbox, tmp_path, monkeypatch):
     from tinycomp.course.spec import get_spec as spec_of
     for key, part, code, answered in _helper_attacks():
         spec = spec_of(key)
-        nbs = _with_cell(tmp_path / key, key, part, code)
+        nbs = with_export_cell(tmp_path / key, key, code, part=part)
         r = grade_notebook(spec, nbs, prepared=prepare_checks(spec, 3), sandbox=True)
         assert all(points(r)[e] == 0 for e in answered), (key, points(r))
         assert 'is set aside while' in next(e for e in r.exercises if e.name == answered[0]).diagnosis
@@ -612,7 +591,7 @@ def test_later_modules_are_hidden_while_an_earlier_one_is_graded(sandbox, tmp_pa
     from tinycomp.course.spec import ModuleSpec, get_spec as spec_of
     spec = spec_of('06')
     assert 'tinycomp.benchmarking.evaluation' in spec.hidden()
-    nbs = _with_cell(tmp_path / 'a', '06', '06_distillation', SOFTMAX_FROM_LATER)
+    nbs = with_export_cell(tmp_path / 'a', '06', SOFTMAX_FROM_LATER, part='06_distillation')
     r = grade_notebook(spec, nbs, prepared=prepare_checks(spec, 3), sandbox=True)
     e = next(e for e in r.exercises if e.name == 'softmax_with_temperature')
     assert e.points == 0 and 'belongs to a later module' in e.diagnosis, e.diagnosis

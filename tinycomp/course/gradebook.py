@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import io
 import os
-import re
 import secrets
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from ..errors import GradingError
 from ..files import atomic_write
-from .grading import _fmt, grade_notebook, is_notebook, one_per_part
+from .grading import _fmt, grade_notebook, is_notebook, one_per_part, part_pattern
 from .notebooks import read_bytes_capped
 from .refs import prepare_checks
 from .sandbox import scratch_prefix
@@ -41,10 +40,11 @@ def grading_key(path=None, create=False) -> bytes:
     The default file is made on first use; a key file named by `path` or `$TINYCOMP_GRADING_KEY` only when `create` (so
     a mistyped path is an error, not a new key). Every learner's fresh inputs are drawn from it, so learners must never read it; keep the same key for
     a whole course (a rerun then resumes the same gradebook)."""
-    named = path is not None or bool(os.environ.get(KEY_ENV))          # by --key-file or by $TINYCOMP_GRADING_KEY
+    from_env = path is None and bool(os.environ.get(KEY_ENV))
+    named = path is not None or from_env                              # by --key-file or by $TINYCOMP_GRADING_KEY
     path = Path(path) if path else default_key_file()
     if not path.exists() and named and not create:
-        where = '' if path is not None and os.environ.get(KEY_ENV) is None else f" (from ${KEY_ENV})"
+        where = f" (from ${KEY_ENV})" if from_env else ''
         raise GradingError(f"no grading key at {path}{where}: check the path (pass --new-key to make a new key there)")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +104,7 @@ def learners(directory: Path, spec: ModuleSpec) -> list:
     Only regular files inside the folder count: a link (to a classmate's notebook, a solution, a device) or a device is
     refused with the reason, as is a folder too deep or too big to be a submission, and so are two notebooks for one part of the module (a backup beside the notebook). Two
     entries with one name are an error naming both."""
-    part = re.compile(rf"^{spec.key}[a-z]?_\w+\.ipynb$", re.I)
-    out, seen = [], {}
+    part, out, seen = part_pattern(spec), [], {}
     for p in sorted(Path(directory).iterdir()):
         if p.name.startswith('.'): continue
         who = p.stem if is_notebook(p) and not p.is_dir() else p.name
@@ -135,11 +134,11 @@ def learners(directory: Path, spec: ModuleSpec) -> list:
     return out
 
 _TEXT_COLUMNS = ('learner', 'errors', 'notebook')
-_FORMULA = tuple('=+-@\t\r')
+_QUOTED = tuple("=+-@\t\r'")          # how a formula starts, and the quote itself (so that reading back is exact)
 
 def _to_cell(text: str) -> str:
     "Text a spreadsheet shows as text: a cell starting like a formula (`=`, `+`, `-`, `@`) gets a leading `'`."
-    return "'" + text if text.startswith(_FORMULA) or text.startswith("'") else text
+    return "'" + text if text.startswith(_QUOTED) else text
 
 def _from_cell(text: str) -> str: return text[1:] if text.startswith("'") else text
 

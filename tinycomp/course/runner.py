@@ -402,10 +402,7 @@ class Group:
             if event == 'begin': begun = True; budget.restart(); continue
             if event == 'query':
                 reply = self._answer(job, header.get('args'), calls)
-                if reply is None and job.check.oracle and len(calls) > job.check.oracle.max_calls + 1:
-                    return {**bad, 'message': f"your code went on calling after it was told that {job.check.oracle.max_calls} "
-                                              "calls is the limit"}
-                if reply is None: return bad
+                if isinstance(reply, str): return {**bad, 'message': reply}
                 if not child.answer(reply):
                     return {'status': 'error', 'type': 'BadResult', 'restart': True,
                             'message': "your code asked the grader one question after another without reading the answers"}
@@ -419,12 +416,15 @@ class Group:
             return self.accept(job, done) if self.accept else done
 
     def _answer(self, job, args, calls):
-        "The answer to one oracle call of `job`, counted here where the learner's code cannot reach the count (None: not a call)."
+        """The answer to one oracle call of `job`, counted here where the learner's code cannot reach the count; a string
+        says why the message is not a call (the child wrote something else, or asked on after it was told to stop)."""
         oracle = job.check.oracle
-        if oracle is None or not isinstance(args, list): return None
-        if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args): return None
+        if oracle is None or not isinstance(args, list) or \
+           not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+            return "your code wrote to the grader's channel"
         calls.append(tuple(args))
-        if len(calls) > oracle.max_calls + 1: return None       # it was told; asking on is not a call
+        if len(calls) > oracle.max_calls + 1:
+            return f"your code went on calling after it was told that {oracle.max_calls} calls is the limit"
         if len(calls) > oracle.max_calls: return {'error': f"called more than {oracle.max_calls} times"}
         try: return {'value': oracle.answer(job.inputs, *args)}
         except (TypeError, ValueError, ArithmeticError) as e: return {'error': f"{type(e).__name__}: {e}"}

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,21 +185,6 @@ def _alive(pid: int) -> bool:
     except PermissionError: return True
     return True
 
-def _remove_stale_cgroups(parent: Path):
-    "Remove the cgroups below `parent` that a grader made and could not remove (it was killed), killing what is left in them."
-    try: names = [p for p in parent.iterdir() if re.match(r"^tinycomp-(\d+)-[0-9a-f]+$", p.name)]
-    except OSError: return
-    for d in names:
-        if _alive(int(d.name.split('-')[1])): continue
-        try: pids = [int(p) for p in (d / 'cgroup.procs').read_text().split()]
-        except (OSError, ValueError): pids = []
-        for pid in pids:
-            try: os.kill(pid, signal.SIGKILL)
-            except OSError: pass
-        for _ in range(50):
-            try: d.rmdir(); break
-            except OSError: time.sleep(0.02)
-
 @dataclass
 class TreeLimit:
     "A cgroup with a memory limit and a process limit for a whole process tree, which also counts the tree's CPU time."
@@ -223,7 +209,7 @@ class TreeLimit:
             if (_CGROUP / 'cpuacct').is_dir() and 'cpuacct' in own:
                 plan.append((_CGROUP / 'cpuacct' / own['cpuacct'].lstrip('/') / name, {}))
         else: return None
-        for d, _ in plan: _remove_stale_cgroups(d.parent)
+        for d, _ in plan: cls._remove_stale(d.parent, version)
         made = []
         try:
             for d, settings in plan:
@@ -242,6 +228,14 @@ class TreeLimit:
                 except OSError: pass
             return None
         return cls(made, memory, pids, version)
+
+    @classmethod
+    def _remove_stale(cls, parent: Path, version: int):
+        "Remove the cgroups below `parent` that a grader made and could not remove (it was killed), and what is left in them."
+        try: stale = [d for d in parent.iterdir() if re.match(r"^tinycomp-\d+-[0-9a-f]+$", d.name)]
+        except OSError: return
+        for d in stale:
+            if not _alive(int(d.name.split('-')[1])): cls([d], 0, 0, version).close()
 
     def wrap(self, argv) -> list:
         "`argv` started inside this cgroup."
@@ -390,7 +384,6 @@ _STALE = re.compile(r"^tinycomp-(?:grade-\d\d|submission)-(\d+)-")
 def remove_stale_scratch():
     """Remove the scratch folders (in the temporary folder) of graders that died without removing them (killed with
     SIGKILL, say): ours, named after a process that no longer runs."""
-    import tempfile
     root = Path(tempfile.gettempdir())
     try: entries = list(os.scandir(root))
     except OSError: return
