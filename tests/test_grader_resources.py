@@ -193,7 +193,7 @@ RENAMED_COPY = '''
 def _my_softmax(self, axis=-1):
     shifted = np.exp(self.data - self.data.max(axis=axis, keepdims=True))
     s = shifted / shifted.sum(axis=axis, keepdims=True)
-    return Tensor.from_op(s, (self,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax')
+    return Tensor.from_op(s, (self,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax', axis=axis)
 
 def log_softmax_forward(x, axis=-1):
     return np.log(_my_softmax(Tensor(x), axis).data)
@@ -206,7 +206,7 @@ if True:
         def normalise(t, axis=-1):
             shifted = np.exp(t.data - t.data.max(axis=axis, keepdims=True))
             s = shifted / shifted.sum(axis=axis, keepdims=True)
-            return Tensor.from_op(s, (t,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax')
+            return Tensor.from_op(s, (t,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax', axis=axis)
 
 def log_softmax_forward(x, axis=-1):
     return np.log(_Helpers.normalise(Tensor(x), axis).data)

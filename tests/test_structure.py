@@ -15,6 +15,7 @@ FLOORS = [('tinycomp', 'tinycomp.errors', 'tinycomp.lazy', 'tinycomp.files', 'ti
           ('tinycomp.tensor',),
           ('tinycomp.nn', 'tinycomp.optim'),
           ('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'),
+          ('tinycomp.graph',),
           ('tinycomp.data', 'tinycomp.io', 'tinycomp.models'),
           ('tinycomp.profiling',),
           ('tinycomp.quantization', 'tinycomp.pruning', 'tinycomp.distillation'),

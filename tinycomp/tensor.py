@@ -29,6 +29,7 @@ def default_generator() -> np.random.Generator:
 
 # %% ../nbs/01a_tensor.ipynb #f04ac4a7
 _grad_enabled = True
+_tracer = None  # while a model is traced into a graph: called with every op's result, inputs and settings
 
 def is_grad_enabled() -> bool:
     "Whether new operations record the graph for `backward`."
@@ -163,11 +164,13 @@ class Tensor:
         self._parents, self._backward, self._op = (), None, ''
 
     @classmethod
-    def from_op(cls, data, parents, backward, op=''):
-        "Result of an op: `backward(grad)` returns one gradient (or None) per parent."
+    def from_op(cls, data, parents, backward, op='', **settings):
+        """Result of an op: `backward(grad)` returns one gradient (or None) per parent. `settings` (an axis, a shape)
+        are what it takes to run the op again: only a tracer (`tinycomp.graph.trace`) reads them."""
         out = cls(data, dtype=np.asarray(data).dtype)
         if _grad_enabled and any(p.requires_grad for p in parents):
             out.requires_grad, out._parents, out._backward, out._op = True, tuple(parents), backward, op
+        if _tracer is not None: _tracer(out, op, tuple(parents), settings)
         return out
 
     shape = property(lambda self: self.data.shape)
@@ -267,7 +270,7 @@ def _div(a, b):
 def _pow(a, exponent):
     if isinstance(exponent, Tensor): return (a.log() * exponent).exp()
     p = float(exponent)
-    return Tensor.from_op(a.data ** p, (a,), lambda g: (g * p * a.data ** (p - 1),), 'pow')
+    return Tensor.from_op(a.data ** p, (a,), lambda g: (g * p * a.data ** (p - 1),), 'pow', exponent=p)
 
 Tensor.__add__ = _add
 Tensor.__radd__ = lambda self, other: _add(_const(other, self), self)
@@ -318,7 +321,8 @@ def _expand_reduced(g, shape, axes, keepdims):
 def _sum(self, axis=None, keepdims=False):
     axes = _axes(axis, self.ndim)
     out = self.data.sum(axis=axes, keepdims=keepdims)
-    return Tensor.from_op(out, (self,), lambda g: (_expand_reduced(g, self.shape, axes, keepdims).copy(),), 'sum')
+    return Tensor.from_op(out, (self,), lambda g: (_expand_reduced(g, self.shape, axes, keepdims).copy(),), 'sum',
+                          axis=axes, keepdims=keepdims)
 
 def _mean(self, axis=None, keepdims=False):
     axes = _axes(axis, self.ndim)
@@ -332,7 +336,8 @@ def _max(self, axis=None, keepdims=False):
         mask = (self.data == out)
         share = mask / mask.sum(axis=axes, keepdims=True)
         return (_expand_reduced(g, self.shape, axes, keepdims) * share,)
-    return Tensor.from_op(out if keepdims else out.squeeze(axes) if axes else out.reshape(()), (self,), backward, 'max')
+    return Tensor.from_op(out if keepdims else out.squeeze(axes) if axes else out.reshape(()), (self,), backward, 'max',
+                          axis=axes, keepdims=keepdims)
 
 Tensor.sum, Tensor.mean, Tensor.max = _sum, _mean, _max
 
@@ -341,14 +346,14 @@ def _reshape(self, *shape):
     shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
     try: out = self.data.reshape(shape)
     except ValueError: raise ShapeError(f"cannot reshape a tensor of shape {self.shape} ({self.size} elements) into {tuple(shape)}") from None
-    return Tensor.from_op(out, (self,), lambda g: (g.reshape(self.shape),), 'reshape')
+    return Tensor.from_op(out, (self,), lambda g: (g.reshape(self.shape),), 'reshape', shape=tuple(shape))
 
 def _permute(self, *dims):
     dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims
     if sorted(d % self.ndim for d in dims) != list(range(self.ndim)):
         raise ShapeError(f"permute needs a permutation of {self.ndim} axes, got {tuple(dims)}")
     inverse = np.argsort([d % self.ndim for d in dims])
-    return Tensor.from_op(self.data.transpose(dims), (self,), lambda g: (g.transpose(inverse),), 'permute')
+    return Tensor.from_op(self.data.transpose(dims), (self,), lambda g: (g.transpose(inverse),), 'permute', dims=tuple(dims))
 
 def _transpose(self, dim0=-2, dim1=-1):
     dims = list(range(self.ndim)); dims[dim0], dims[dim1] = dims[dim1], dims[dim0]
@@ -360,13 +365,14 @@ Tensor.flatten = lambda self, start_dim=0: _reshape(self, self.shape[:start_dim]
 
 # %% ../nbs/01a_tensor.ipynb #4c4a2f68
 def _getitem(self, index):
+    given = index
     if isinstance(index, Tensor): index = index.data
     if isinstance(index, tuple): index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
     def backward(g):
         full = np.zeros_like(self.data)
         np.add.at(full, index, g)
         return (full,)
-    return Tensor.from_op(self.data[index], (self,), backward, 'getitem')
+    return Tensor.from_op(self.data[index], (self,), backward, 'getitem', index=given)
 
 Tensor.__getitem__ = _getitem
 Tensor.argmax = lambda self, axis=None: Tensor(self.data.argmax(axis=axis))
@@ -378,14 +384,14 @@ def cat(tensors, dim=0) -> Tensor:
     try: out = np.concatenate([t.data for t in tensors], axis=dim)
     except ValueError as e: raise ShapeError(f"cat: {e}") from None
     splits = np.cumsum([t.shape[dim] for t in tensors])[:-1]
-    return Tensor.from_op(out, tensors, lambda g: tuple(np.split(g, splits, axis=dim)), 'cat')
+    return Tensor.from_op(out, tensors, lambda g: tuple(np.split(g, splits, axis=dim)), 'cat', dim=dim)
 
 def stack(tensors, dim=0) -> Tensor:
     "Stack tensors of equal shape along a new axis."
     tensors = [as_tensor(t) for t in tensors]
     try: out = np.stack([t.data for t in tensors], axis=dim)
     except ValueError as e: raise ShapeError(f"stack: {e}") from None
-    return Tensor.from_op(out, tensors, lambda g: tuple(np.moveaxis(g, dim, 0)), 'stack')
+    return Tensor.from_op(out, tensors, lambda g: tuple(np.moveaxis(g, dim, 0)), 'stack', dim=dim)
 
 # %% ../nbs/01a_tensor.ipynb #3f77e4ee
 def _unary(name, forward, backward_from):
@@ -413,12 +419,12 @@ def _relu(self):
 
 def _log_softmax(self, axis=-1):
     out = log_softmax_forward(self.data, axis)
-    return Tensor.from_op(out, (self,), lambda g: (log_softmax_backward(g, out, axis),), 'log_softmax')
+    return Tensor.from_op(out, (self,), lambda g: (log_softmax_backward(g, out, axis),), 'log_softmax', axis=axis)
 
 def _softmax(self, axis=-1):
     shifted = np.exp(self.data - self.data.max(axis=axis, keepdims=True))
     s = shifted / shifted.sum(axis=axis, keepdims=True)
-    return Tensor.from_op(s, (self,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax')
+    return Tensor.from_op(s, (self,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax', axis=axis)
 
 Tensor.relu, Tensor.log_softmax, Tensor.softmax = _relu, _log_softmax, _softmax
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ParameterCounts', 'Parameter', 'Module', 'RemovableHandle', 'parameter_counts', 'calculate_gain', 'skip_init',
            'uniform_', 'normal_', 'zeros_', 'kaiming_uniform_', 'kaiming_normal_', 'xavier_uniform_', 'xavier_normal_',
-           'default_init_', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout', 'Sequential']
+           'default_init_', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout', 'Sequential', 'Add', 'Cat']
 
 # %% ../../nbs/01c_nn.ipynb #c66c3ab8
 import contextlib
@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import ShapeError, TinycompError
 from ..files import register_layer
 from . import functional as F
-from ..tensor import Tensor, as_tensor, default_generator
+from ..tensor import Tensor, as_tensor, cat, default_generator
 
 # %% ../../nbs/01c_nn.ipynb #2234bf9c
 class Parameter(Tensor):
@@ -379,3 +379,18 @@ class Sequential(Module):
     def append(self, module):
         setattr(self, str(len(self)), module)
         return self
+
+# %% ../../nbs/01c_nn.ipynb #0864bd06
+@register_layer
+class Add(Module):
+    "`a + b`: where two branches meet again, as in a residual block (`x + block(x)`)."
+    def forward(self, a, b): return as_tensor(a) + b
+
+@register_layer
+class Cat(Module):
+    "Concatenate the inputs along `dim` (the channels by default), as where parallel branches meet."
+    def __init__(self, dim=1):
+        super().__init__()
+        self.dim = int(dim)
+    def config(self): return dict(dim=self.dim)
+    def forward(self, *xs): return cat(xs, self.dim)
