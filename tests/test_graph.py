@@ -209,6 +209,17 @@ def test_rewrites_that_would_break_the_graph_are_refused():
         Graph([Node('b', nn.ReLU(), ('c',)), Node('c', nn.ReLU(), ('input',))], 'c')
     with pytest.raises(GraphError, match="output 'z' is not a node"):
         Graph([Node('b', nn.ReLU(), ('input',))], 'z')
+    with pytest.raises(GraphError, match="node 'stem.relu' is named inside another node's layer"):
+        g.insert_after('stem', 'stem.relu', nn.ReLU())
+    before = [(n.name, n.module, n.inputs) for n in g]
+    assert g['block.conv1'].inputs == ('stem',) and g.output == 'fc'                # the refused rewrite was undone
+    x = images(2)
+    assert np.array_equal(g(x).data, g(x, keep_all=True)['fc'].data)
+    with pytest.raises(GraphError):
+        g.replace('stem', None)
+    assert [(n.name, n.module, n.inputs) for n in g] == before
+    with pytest.raises(GraphError, match="knows no input shape: pass an input"):
+        Graph([Node('b', nn.ReLU(), ('input',))], 'b').infer_shapes()
 
 
 def test_a_function_runs_every_op_it_may_hold_exactly_as_the_tensor_op():
