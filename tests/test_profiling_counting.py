@@ -10,13 +10,16 @@ import pytest
 from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.conv import Conv2d, conv_output_size
 from tinycomp.errors import TinycompError
+from tinycomp.graph import Function, trace
 from tinycomp.models import digits_cnn, digits_cnn_wide
-from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.nn.modules import Add, Cat, Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.profiling.counting import (PROFILE_COLUMNS, Profile, activation_bytes, conv2d_flops, layer_cost,
                                          output_shape, profile_model, trace_events)
 from tinycomp.tensor import Tensor, as_tensor
 from tinycomp.tensor import no_grad
+
+from graph_models import BranchyNet, trained_like
 
 pytestmark = pytest.mark.module03
 
@@ -251,3 +254,30 @@ def test_a_layer_can_describe_its_own_cost(x_digits):
     p = profile_model(Sequential(Halve(), Flatten()), x8, repeats=2)
     assert p.uncounted == [] and [r['flops'] for r in p.rows] == [256, 0]
     assert [r['activation_bytes'] for r in p.rows] == [128, 128]        # Flatten of int8 data: 1 byte per value
+
+
+def test_branches_meeting_are_counted_and_a_graph_profiles_like_its_model(tmp_path, x_digits):
+    "Residual add, concatenation and the tensor ops between layers each get a row; blocks show in the trace."
+    net = trained_like(BranchyNet())
+    p = profile_model(net, x_digits, repeats=2, warmup=1)
+    rows = {r['name']: r for r in p.rows}
+    assert [r['name'] for r in p.rows] == [n.name for n in trace(net, x_digits)]
+    n = len(x_digits)
+    assert (rows['block.add']['type'], rows['block.add']['flops'], rows['block.add']['params']) == ('Add', n * 8 * 64, 0)
+    assert rows['block.add']['bytes_moved'] == 3 * n * 8 * 64 * 4
+    assert (rows['cat']['type'], rows['cat']['flops'], rows['cat']['output_shape']) == ('Cat', 0, (n, 16, 8, 8))
+    assert (rows['mul']['type'], rows['mul']['flops']) == ('mul', n * 8 * 64) and rows['sum']['flops'] == n * 4 * 64
+    assert p.uncounted == [] and p.params == sum(q.data.size for q in net.parameters())
+    again = profile_model(trace(net, x_digits), x_digits, repeats=2, warmup=1)
+    assert [(r['name'], r['flops'], r['output_shape']) for r in again.rows] == [(r['name'], r['flops'], r['output_shape']) for r in p.rows]
+    events = json.loads(p.to_chrome_trace(tmp_path / 't.json').read_text())['traceEvents']
+    block = next(e for e in events if e['name'] == 'block')
+    inside = [e for e in events if e['name'].startswith('block.')]
+    assert len(inside) == 7 and block['args']['flops'] == sum(rows[e['name']]['flops'] for e in inside)
+    assert all(block['ts'] <= e['ts'] and e['ts'] + e['dur'] <= block['ts'] + block['dur'] + 1e-6 for e in inside)
+    assert layer_cost(Add(), [(2, 3, 4, 4), (2, 3, 4, 4)])['flops'] == 96
+    assert layer_cost(Cat(), [(2, 3, 4, 4), (2, 5, 4, 4)])['output_shape'] == (2, 8, 4, 4)
+    softmax = layer_cost(Function('softmax', {'axis': -1}), (4, 10))
+    assert (softmax['output_shape'], softmax['flops']) == ((4, 10), 160)
+    flat = layer_cost(Function('reshape', {'shape': (4, -1)}, batch_shape=True), (10 ** 6, 3, 8, 8))
+    assert (flat['output_shape'], flat['flops']) == ((10 ** 6, 192), 0)       # shapes only: nothing that large is made

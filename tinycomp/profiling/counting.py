@@ -21,9 +21,10 @@ from ..batchnorm import BatchNorm2d
 from ..conv import Conv2d, _pair, conv_output_size
 from ..errors import TinycompError
 from ..files import atomic_write
-from ..nn.modules import Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh
+from ..graph import Function, Graph, trace
+from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
-from ..tensor import no_grad
+from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/03b_counting.ipynb #b447af84
 def conv2d_flops(in_shape, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True) -> int:
@@ -83,22 +84,57 @@ def _adaptive_bins(size, out):
     "Total length of PyTorch's adaptive-pooling bins along one axis (bins may overlap)."
     return sum(-(-(i + 1) * size // out) - i * size // out for i in range(out))
 
-def _layer_flops(m, in_shape, out_shape) -> int:
-    "FLOPs of one forward pass of leaf layer `m` (eval mode); see the table above."
-    outputs = math.prod(out_shape)
-    if isinstance(m, Linear):
-        rows = math.prod(in_shape[:-1])
-        return 2 * rows * m.in_features * m.out_features + (rows * m.out_features if m.bias is not None else 0)
-    if isinstance(m, Conv2d):
-        return conv2d_flops(in_shape, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.groups,
-                            m.bias is not None)
-    if isinstance(m, (MaxPool2d, AvgPool2d)): return outputs * math.prod(_pair(m.kernel_size))
-    if isinstance(m, AdaptiveAvgPool2d):
-        return math.prod(in_shape[:2]) * _adaptive_bins(in_shape[2], out_shape[2]) * _adaptive_bins(in_shape[3], out_shape[3])
-    if isinstance(m, BatchNorm2d): return outputs * (4 if m.affine else 2)
-    if isinstance(m, (ReLU, Sigmoid, Tanh)): return outputs
-    if isinstance(m, (Dropout, Flatten)): return 0
-    raise TinycompError(f"layer_cost: no FLOP rule for layer type {type(m).__name__}")
+def _linear_flops(m, in_shape, out_shape):
+    rows = math.prod(in_shape[:-1])
+    return 2 * rows * m.in_features * m.out_features + (rows * m.out_features if m.bias is not None else 0)
+
+def _conv_flops(m, in_shape, out_shape):
+    return conv2d_flops(in_shape, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.groups, m.bias is not None)
+
+def _window_flops(m, in_shape, out_shape): return math.prod(out_shape) * math.prod(_pair(m.kernel_size))
+def _adaptive_flops(m, in_shape, out_shape):
+    return math.prod(in_shape[:2]) * _adaptive_bins(in_shape[2], out_shape[2]) * _adaptive_bins(in_shape[3], out_shape[3])
+def _batchnorm_flops(m, in_shape, out_shape): return math.prod(out_shape) * (4 if m.affine else 2)
+def _per_value(m, in_shape, out_shape): return math.prod(out_shape)
+def _nothing(m, in_shape, out_shape): return 0
+
+_FLOAT_FLOPS = {Linear: _linear_flops, Conv2d: _conv_flops, MaxPool2d: _window_flops, AvgPool2d: _window_flops,
+                AdaptiveAvgPool2d: _adaptive_flops, BatchNorm2d: _batchnorm_flops, ReLU: _per_value, Sigmoid: _per_value,
+                Tanh: _per_value, Dropout: _nothing, Flatten: _nothing}   # the table above: a FLOP rule per float layer type
+
+def _float_cost(flops):
+    "The `cost(in_shape)` of a float layer type: the output shape from the table of section 2, FLOPs from `flops`."
+    def cost(self, in_shape):
+        out = output_shape(self, in_shape)
+        return dict(output_shape=out, flops=int(flops(self, in_shape, out)), params=_params(self), output_itemsize=None)
+    return cost
+
+for _cls, _flops in _FLOAT_FLOPS.items(): _cls.cost = _float_cost(_flops)
+
+def _add_cost(self, *in_shapes):
+    "Where branches meet: one addition per output value and extra input."
+    out = tuple(np.broadcast_shapes(*in_shapes))
+    return dict(output_shape=out, flops=math.prod(out) * (len(in_shapes) - 1), params=0, output_itemsize=None)
+
+def _cat_cost(self, *in_shapes):
+    "Concatenation: no arithmetic, only copies."
+    out = list(in_shapes[0])
+    out[self.dim] = sum(s[self.dim] for s in in_shapes)
+    return dict(output_shape=tuple(out), flops=0, params=0, output_itemsize=None)
+
+_ELEMENTWISE = {'add', 'sub', 'mul', 'div', 'neg', 'pow', 'exp', 'log', 'sqrt', 'abs', 'sigmoid', 'tanh', 'relu'}
+
+def _function_cost(self, *in_shapes):
+    """A tensor op between layers: one FLOP per value for element-wise ops and reductions, four per value for a
+    softmax, 2·K per output of a matmul, none for reshapes, slices and concatenations (the output shape comes from
+    running the op on zeros that take no memory)."""
+    out = tuple(self(*[Tensor(np.broadcast_to(np.zeros((), np.float32), s)) for s in in_shapes]).shape)
+    flops = {'sum': math.prod(in_shapes[0]), 'max': math.prod(in_shapes[0]), 'softmax': 4 * math.prod(in_shapes[0]),
+             'log_softmax': 4 * math.prod(in_shapes[0]),
+             'matmul': 2 * math.prod(out) * (in_shapes[0][-1] if in_shapes else 0)}.get(self.op, math.prod(out) if self.op in _ELEMENTWISE else 0)
+    return dict(output_shape=out, flops=flops, params=0, output_itemsize=None)
+
+Add.cost, Cat.cost, Function.cost = _add_cost, _cat_cost, _function_cost
 
 def _params(m) -> int: return sum(x.weight_counts()[0] for x in m.modules())
 
@@ -107,23 +143,23 @@ def _weight_bytes(m) -> int:
     return int(sum(p.data.nbytes for p in m.parameters()) + sum(b.nbytes for b in m.buffers() if np.ndim(b) > 0))
 
 def layer_cost(module, in_shape, itemsize=4) -> dict:
-    """What one forward pass of leaf layer `module` on an input of shape `in_shape` costs: type, input and output
-    shapes, params, flops, weight_bytes, input_bytes, activation_bytes (the output), bytes_moved
-    (input + weights + output) and intensity (FLOPs per byte moved). Activations at `itemsize` bytes per value.
-    A layer the rules above do not know (quantized, sparse) describes itself with a `cost(in_shape)` method that
-    returns `output_shape`, `flops`, `params` and `output_itemsize`."""
-    in_shape = tuple(map(int, in_shape))
-    own = getattr(module, 'cost', None)
-    if callable(own):
-        c = own(in_shape)
-        out, flops, params, out_itemsize = tuple(map(int, c['output_shape'])), c['flops'], c['params'], c['output_itemsize']
-    else:
-        out = output_shape(module, in_shape)
-        flops, params, out_itemsize = _layer_flops(module, in_shape, out), _params(module), itemsize
+    """What one forward pass of leaf layer `module` on an input of shape `in_shape` (a list of shapes for a layer with
+    several inputs, such as `Add`) costs: type, input and output shapes, params, flops, weight_bytes, input_bytes,
+    activation_bytes (the output), bytes_moved (input + weights + output) and intensity (FLOPs per byte moved), with
+    activations at `itemsize` bytes per value. Every layer type answers with its `cost(*in_shapes)` method, which returns
+    `output_shape`, `flops`, `params` and `output_itemsize` (None: the input's): the float layers get theirs from the
+    rules above, the quantized and sparse ones define their own, and so does a layer type of your own."""
+    shapes = [tuple(map(int, s)) for s in in_shape] if in_shape and isinstance(in_shape[0], (tuple, list)) else [tuple(map(int, in_shape))]
+    cost = getattr(module, 'cost', None)
+    if not callable(cost):
+        raise TinycompError(f"layer_cost: no cost rule for layer type {type(module).__name__}; give the class a "
+                            "cost(in_shape) method returning output_shape, flops, params and output_itemsize")
+    c = cost(*shapes)
+    out, flops, params, out_itemsize = tuple(map(int, c['output_shape'])), c['flops'], c['params'], c['output_itemsize'] or itemsize
     weight_bytes = _weight_bytes(module)
-    input_bytes, act = math.prod(in_shape) * int(itemsize), math.prod(out) * int(out_itemsize)
+    input_bytes, act = sum(math.prod(s) for s in shapes) * int(itemsize), math.prod(out) * int(out_itemsize)
     moved = input_bytes + weight_bytes + act
-    return dict(type=type(module).__name__, input_shape=in_shape, output_shape=out,
+    return dict(type=type(module).__name__, input_shape=shapes[0] if len(shapes) == 1 else shapes, output_shape=out,
                 params=int(params), flops=int(flops), weight_bytes=int(weight_bytes),
                 input_bytes=input_bytes, activation_bytes=act, bytes_moved=moved,
                 intensity=flops / moved if moved else 0.0)
@@ -131,14 +167,6 @@ def layer_cost(module, in_shape, itemsize=4) -> dict:
 # %% ../../nbs/03b_counting.ipynb #7433e2c8
 PROFILE_COLUMNS = ['name', 'type', 'output_shape', 'params', 'flops', 'weight_bytes', 'activation_bytes', 'bytes_moved',
                    'latency_ms', 'share', 'gflops', 'intensity', 'start_s', 'duration_s']
-
-def _leaves(model):
-    "(name, module) of every leaf layer, each module once; a model without children is its own leaf."
-    seen, out = set(), []
-    for name, m in model.named_modules():
-        if m._modules or id(m) in seen: continue
-        seen.add(id(m)); out.append((name or type(m).__name__, m))
-    return out
 
 def _shape(a): return tuple(a.shape) if hasattr(a, 'shape') else np.shape(a)
 
@@ -208,68 +236,58 @@ def _itemsize(a):
     return int(a.dtype.itemsize) if hasattr(a, 'dtype') else 4
 
 def profile_model(model, x, repeats=20, warmup=3) -> Profile:
-    """Profile `model` on input `x`: time every leaf layer inside the forward pass with hooks (median of `repeats`
-    runs after `warmup`), count its cost with `layer_cost`, and time the whole forward without hooks in the same run.
-    The model runs in eval mode under `no_grad`; its hooks and training flags are as before afterwards."""
+    """Profile `model` on input `x`. It is traced into a graph first (`tinycomp.graph.trace`), so every layer and every
+    op between layers (the `+` of a residual block) is a node; then every node is timed inside the forward pass with
+    hooks (median of `repeats` runs after `warmup`) and counted with `layer_cost`, and the whole model is timed without
+    hooks in the same run. Eval mode, under `no_grad`; the model's hooks and training flags are as before afterwards."""
     if int(repeats) < 1: raise TinycompError(f"profile_model: repeats must be at least 1, got {repeats}")
-    repeats, warmup = int(repeats), max(int(warmup), 0)
-    leaves, clock = _leaves(model), time.perf_counter_ns
-    shapes, order, stamps = {}, [], []
-    def shape_hooks(i):
-        def pre(m, args): order.append(i); shapes[i] = [_shape(args[0]), None, _itemsize(args[0])]
-        def post(m, args, out): shapes[i][1] = _shape(out)
-        return pre, post
+    repeats, warmup, clock, stamps = int(repeats), max(int(warmup), 0), time.perf_counter_ns, []
     stamp = _stamper(stamps.append, clock)
-    def attach(make):
-        hs = []
-        for i, (_, m) in enumerate(leaves):
-            pre, post = make(i)
-            hs += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-        return hs
     flags = [(m, m.training) for m in model.modules()]
-    durations = np.zeros((repeats, len(leaves)), np.int64)
-    hooked, plain = np.zeros(repeats, np.int64), np.zeros(repeats, np.int64)
     handles = []
     try:
         model.eval()
         with no_grad():
-            handles = attach(shape_hooks); model(x)             # the call order and every layer's shapes
-            for h in handles: h.remove()
+            graph = model.infer_shapes(x) if isinstance(model, Graph) else trace(model, x)
+            nodes, modules = list(graph), list({id(n.module): n.module for n in graph}.values())
+            durations = np.zeros((repeats, len(nodes)), np.int64)
+            hooked, plain = np.zeros(repeats, np.int64), np.zeros(repeats, np.int64)
             for r in range(-warmup, repeats):
                 for with_hooks in ((True, False) if r % 2 == 0 else (False, True)):
-                    if with_hooks: stamps.clear(); handles = attach(lambda i: (stamp, stamp))
-                    t0 = clock(); model(x); t1 = clock()
+                    if with_hooks:
+                        stamps.clear()
+                        handles = [h for m in modules for h in (m.register_forward_pre_hook(stamp), m.register_forward_hook(stamp))]
+                    t0 = clock(); (graph if with_hooks else model)(x); t1 = clock()
                     if not with_hooks:
                         if r >= 0: plain[r] = t1 - t0
                         continue
                     for h in handles: h.remove()
-                    if len(stamps) != 2 * len(order):
-                        raise TinycompError("profile_model: the model called its layers differently from one run to the next")
+                    if len(stamps) != 2 * len(nodes):
+                        raise TinycompError("profile_model: a layer of the graph called another one; profile the outer one only")
                     if r < 0: continue
                     hooked[r], t_start = t1 - t0, t0
                     spans = np.array(stamps, np.int64).reshape(-1, 2)
-                    np.add.at(durations[r], order, spans[:, 1] - spans[:, 0])
+                    durations[r] = spans[:, 1] - spans[:, 0]
     finally:
         for h in handles: h.remove()
         for m, flag in flags: m.training = flag
-    first = {}
-    for call, i in enumerate(order): first.setdefault(i, call)
     lat_ms = np.median(durations, axis=0) * 1e-6
+    shape_of = {graph.input_name: (tuple(_shape(x)), _itemsize(x)), **{n.name: (n.shape, np.dtype(n.dtype).itemsize) for n in nodes}}
     rows, uncounted = [], []
-    for i, (name, m) in enumerate(leaves):
-        if i not in shapes: continue                       # never called in this forward pass
-        in_shape, out_shape, itemsize = shapes[i]
-        try: c = layer_cost(m, in_shape, itemsize)
-        except TinycompError:                              # a layer type without rules: measured shapes, no FLOPs
-            uncounted.append(type(m).__name__)
-            c = dict(params=_params(m), flops=0, weight_bytes=_weight_bytes(m), activation_bytes=itemsize * math.prod(out_shape))
-            c.update(bytes_moved=itemsize * math.prod(in_shape) + c['weight_bytes'] + c['activation_bytes'], intensity=0.0)
+    for i, n in enumerate(nodes):
+        in_shapes = [shape_of[v][0] for v in n.inputs]
+        itemsize, out_bytes = (shape_of[n.inputs[0]][1] if n.inputs else 4), math.prod(n.shape) * shape_of[n.name][1]
+        try: c = layer_cost(n.module, in_shapes[0] if len(in_shapes) == 1 else in_shapes, itemsize)
+        except TinycompError:                              # a layer type without a cost rule: measured shapes, no FLOPs
+            uncounted.append(n.op)
+            c = dict(params=_params(n.module), flops=0, weight_bytes=_weight_bytes(n.module), intensity=0.0)
+        moved = itemsize * sum(math.prod(s) for s in in_shapes) + c['weight_bytes'] + out_bytes
         ms = float(lat_ms[i])
-        rows.append(dict(name=name, type=type(m).__name__, output_shape=tuple(out_shape), params=c['params'],
-                         flops=c['flops'], weight_bytes=c['weight_bytes'], activation_bytes=c['activation_bytes'],
-                         bytes_moved=c['bytes_moved'], latency_ms=ms, share=0.0,
-                         gflops=c['flops'] / (ms * 1e-3) / 1e9 if ms > 0 else 0.0, intensity=c['intensity'],
-                         start_s=float(spans[first[i], 0] - t_start) * 1e-9, duration_s=float(durations[-1, i]) * 1e-9))
+        rows.append(dict(name=n.name, type=n.op, output_shape=tuple(n.shape), params=c['params'], flops=c['flops'],
+                         weight_bytes=c['weight_bytes'], activation_bytes=out_bytes, bytes_moved=moved, latency_ms=ms,
+                         share=0.0, gflops=c['flops'] / (ms * 1e-3) / 1e9 if ms > 0 else 0.0,
+                         intensity=c['flops'] / moved if moved else 0.0,
+                         start_s=float(spans[i, 0] - t_start) * 1e-9, duration_s=float(durations[-1, i]) * 1e-9))
     total = sum(r['latency_ms'] for r in rows)
     for r in rows: r['share'] = r['latency_ms'] / total if total else 0.0
     return Profile(rows, model_ms=float(np.median(plain)) * 1e-6, hooked_ms=float(np.median(hooked)) * 1e-6,
@@ -293,11 +311,24 @@ def trace_events(rows, pid=0, tid=0) -> list:
     ### END SOLUTION
 
 # %% ../../nbs/03b_counting.ipynb #46ca799e
+def _block_events(rows, pid=0, tid=0) -> list:
+    "One event per block of the model (a dotted prefix of the rows' names: `layer1`, `layer1.0`), spanning its rows."
+    spans = {}
+    for r in rows:
+        parts, start, end = r['name'].split('.'), r['start_s'], r['start_s'] + r['duration_s']
+        for k in range(1, len(parts)):
+            lo, hi = spans.get('.'.join(parts[:k]), (start, end))
+            spans['.'.join(parts[:k])] = (min(lo, start), max(hi, end))
+    return [{'name': name, 'ph': 'X', 'ts': lo * 1e6, 'dur': (hi - lo) * 1e6, 'pid': pid, 'tid': tid,
+             'args': {'flops': int(sum(r['flops'] for r in rows if r['name'].startswith(name + '.')))}}
+            for name, (lo, hi) in spans.items()]
+
 def _to_chrome_trace(self, path, pid=0, tid=0) -> Path:
-    "Write the last profiled forward pass as a Chrome trace (JSON: the model's event, then one per layer), atomically."
+    """Write the last profiled forward pass as a Chrome trace (JSON: the model's event, one per block of the model, then
+    one per layer), atomically: in the viewer a residual block is a bar holding its layers and its `add`."""
     model = {'name': self.model_name, 'ph': 'X', 'ts': 0.0, 'dur': self.trace_duration_s * 1e6, 'pid': pid, 'tid': tid,
              'args': {'flops': self.flops, 'input_shape': list(self.input_shape), 'model_ms': self.model_ms}}
-    doc = {'traceEvents': [model] + trace_events(self.rows, pid, tid), 'displayTimeUnit': 'ms'}
+    doc = {'traceEvents': [model] + _block_events(self.rows, pid, tid) + trace_events(self.rows, pid, tid), 'displayTimeUnit': 'ms'}
     with atomic_write(path) as f: f.write(json.dumps(doc, indent=1).encode())
     return Path(path)
 

@@ -225,6 +225,7 @@ class FakeQuantize(Module):
 
 class _QATWeighted(Module):
     "A conv/linear whose weights are fake-quantized (straight-through) in the forward pass, then ReLU, then FakeQuantize."
+    traced_whole = True                           # one node in a graph: its children are its parts, not layers of the model
     def __init__(self, float_module, kind, relu, per_channel, weight_bits, observer):
         super().__init__()
         src = copy.deepcopy(float_module)
