@@ -22,7 +22,7 @@ from ..conv import Conv2d, _pair, conv_output_size
 from ..errors import TinycompError
 from ..files import atomic_write
 from ..graph import Function, Graph, trace
-from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh
+from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh, parameter_counts
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..tensor import Tensor, no_grad
 
@@ -106,7 +106,7 @@ def _float_cost(flops):
     "The `cost(in_shape)` of a float layer type: the output shape from the table of section 2, FLOPs from `flops`."
     def cost(self, in_shape):
         out = output_shape(self, in_shape)
-        return dict(output_shape=out, flops=int(flops(self, in_shape, out)), params=_params(self), output_itemsize=None)
+        return dict(output_shape=out, flops=int(flops(self, in_shape, out)), params=parameter_counts(self).parameters, output_itemsize=None)
     return cost
 
 for _cls, _flops in _FLOAT_FLOPS.items(): _cls.cost = _float_cost(_flops)
@@ -135,8 +135,6 @@ def _function_cost(self, *in_shapes):
     return dict(output_shape=out, flops=flops, params=0, output_itemsize=None)
 
 Add.cost, Cat.cost, Function.cost = _add_cost, _cat_cost, _function_cost
-
-def _params(m) -> int: return sum(x.weight_counts()[0] for x in m.modules())
 
 def _weight_bytes(m) -> int:
     "Bytes of the parameters and array buffers of `m` as stored (0-d bookkeeping such as a batch counter excluded)."
@@ -280,7 +278,7 @@ def profile_model(model, x, repeats=20, warmup=3) -> Profile:
         try: c = layer_cost(n.module, in_shapes[0] if len(in_shapes) == 1 else in_shapes, itemsize)
         except TinycompError:                              # a layer type without a cost rule: measured shapes, no FLOPs
             uncounted.append(n.op)
-            c = dict(params=_params(n.module), flops=0, weight_bytes=_weight_bytes(n.module), intensity=0.0)
+            c = dict(params=parameter_counts(n.module).parameters, flops=0, weight_bytes=_weight_bytes(n.module), intensity=0.0)
         moved = itemsize * sum(math.prod(s) for s in in_shapes) + c['weight_bytes'] + out_bytes
         ms = float(lat_ms[i])
         rows.append(dict(name=n.name, type=n.op, output_shape=tuple(n.shape), params=c['params'], flops=c['flops'],
