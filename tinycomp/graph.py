@@ -11,11 +11,12 @@ import numpy as np
 
 from . import tensor as _tensor
 from .errors import TinycompError
-from .nn.modules import Add, Cat, Flatten, Module, ReLU, Sigmoid, Tanh
+from .files import register_layer
+from .nn.modules import Add, Cat, Flatten, Module, Parameter, ReLU, Sigmoid, Tanh
 from .tensor import Tensor, as_tensor, cat, no_grad, stack
 
 # %% auto #0
-__all__ = ['GraphError', 'Function', 'is_leaf', 'Node', 'Graph', 'trace']
+__all__ = ['GraphError', 'Function', 'is_leaf', 'Node', 'Scope', 'Graph', 'trace']
 
 # %% ../nbs/90c_graph.ipynb #15f5aac6
 class GraphError(TinycompError, ValueError):
@@ -31,19 +32,58 @@ _RUN = {   # how to run each op of `tinycomp.tensor` again, from its inputs and 
     'log_softmax': lambda a, axis: a.log_softmax(axis), 'softmax': lambda a, axis: a.softmax(axis),
     **{op: (lambda name: lambda a: getattr(a, name)())(op) for op in ('exp', 'log', 'sqrt', 'abs', 'sigmoid', 'tanh', 'relu')}}
 
+def _encode(v):
+    "Settings as JSON: tuples, slices and `...` marked so that `_decode` gives them back exactly."
+    if isinstance(v, tuple): return {'tuple': [_encode(x) for x in v]}
+    if isinstance(v, slice): return {'slice': [_encode(v.start), _encode(v.stop), _encode(v.step)]}
+    if v is Ellipsis: return {'ellipsis': True}
+    if isinstance(v, (bool, str)) or v is None: return v
+    if isinstance(v, (int, np.integer)): return int(v)
+    if isinstance(v, (float, np.floating)): return float(v)
+    raise GraphError(f"a graph cannot save the setting {v!r} ({type(v).__name__}): an op indexed by an array? Use a layer")
+
+def _decode(v):
+    if isinstance(v, list): return [_decode(x) for x in v]
+    if not isinstance(v, dict): return v
+    if set(v) == {'tuple'} and isinstance(v['tuple'], list): return tuple(_decode(x) for x in v['tuple'])
+    if set(v) == {'slice'} and isinstance(v['slice'], list) and len(v['slice']) == 3: return slice(*(_decode(x) for x in v['slice']))
+    if v == {'ellipsis': True}: return Ellipsis
+    raise GraphError(f"unreadable op setting {v!r}")
+
+@register_layer
 class Function(Module):
     """A tensor op used between layers (`x * 0.5`, `x.mean((2, 3))`), run again from the settings it recorded.
-    `constants` holds the inputs that are not graph values, by position; `batch_shape` marks a reshape whose first
-    size was the batch (run with the batch of the input)."""
+    `constants` maps input positions to the inputs that are not graph values (kept as this layer's arrays, or its
+    parameters if they were a model's parameters); `batch_shape` marks a reshape whose first size was the batch
+    (run with the batch of the input)."""
     def __init__(self, op, settings=None, constants=None, batch_shape=False):
         super().__init__()
         if op not in _RUN: raise GraphError(f"no way to run the op {op!r} in a graph")
-        self.op, self.settings, self.constants, self.batch_shape = op, dict(settings or {}), dict(constants or {}), batch_shape
+        self.op, self.settings, self.batch_shape = op, {k: _decode(v) for k, v in (settings or {}).items()}, bool(batch_shape)
+        self.positions = sorted(int(i) for i in (constants or {}))
+        for i in self.positions:
+            c = (constants or {}).get(i, (constants or {}).get(str(i)))
+            if isinstance(c, dict):                                # from a file: the array's place, filled on load
+                c = Parameter(np.zeros(c['shape'], c['dtype'])) if c.get('parameter') else np.zeros(c['shape'], c['dtype'])
+            if isinstance(c, Parameter): setattr(self, f"constant{i}", c)
+            else: self.register_buffer(f"constant{i}", as_tensor(c).data)
+
+    @property
+    def constants(self) -> dict:
+        "{input position: Tensor} of the constant inputs."
+        held = {i: self._parameters.get(f"constant{i}") for i in self.positions}
+        return {i: p if p is not None else Tensor(self._buffers[f"constant{i}"]) for i, p in held.items()}
+
+    def config(self):
+        spec = {str(i): dict(shape=list(np.shape(c.data)), dtype=str(c.data.dtype), parameter=f"constant{i}" in self._parameters)
+                for i, c in self.constants.items()}
+        return dict(op=self.op, settings={k: _encode(v) for k, v in self.settings.items()}, constants=spec,
+                    batch_shape=self.batch_shape)
 
     def forward(self, *values):
-        values, args = list(values), []
-        for i in range(len(values) + len(self.constants)):
-            args.append(self.constants[i] if i in self.constants else values.pop(0))
+        values, constants, args = list(values), self.constants, []
+        for i in range(len(values) + len(constants)):
+            args.append(constants[i] if i in constants else values.pop(0))
         settings = self.settings
         if self.batch_shape: settings = {'shape': (as_tensor(args[0]).shape[0],) + tuple(settings['shape'][1:])}
         return _RUN[self.op](*args, **settings)
@@ -81,15 +121,56 @@ class Node:
         return sum(p.data.size for p in self.module.parameters())
 
 # %% ../nbs/90c_graph.ipynb #28b8a323
+@register_layer(container=True)
+class Scope(Module):
+    "Holds a graph's layers under a dotted name (`block` of `block.conv1`), so names and `state_dict` keys stay the model's."
+    def forward(self, *args): raise GraphError("a Scope only holds layers; run the graph instead")
+
+@register_layer(container=True)
 class Graph(Module):
     """A model as nodes in an order that runs: each node applies its module to the values of the nodes it reads.
     `graph(x)` runs them, `print(graph)` lists them, and `replace`, `insert_after` and `remove` rewrite them. A graph is
-    a Module: its layers are its children, under the names they had in the traced model (so `state_dict` keys match)."""
-    def __init__(self, nodes, output, input_name='input', example_shape=None, example_dtype=np.float32):
+    a Module: its layers are its children, under the names they had in the traced model (so `state_dict` has the
+    model's keys, plus the constants of the ops between layers), and `tinycomp.io` saves and loads it."""
+    def __init__(self, nodes, output, input_name='input', example_shape=None, example_dtype='float32'):
         super().__init__()
-        self.nodes, self.output, self.input_name = {n.name: n for n in nodes}, output, input_name
-        self.example_shape, self.example_dtype = example_shape, np.dtype(example_dtype)
+        self.output, self.input_name = output, input_name
+        self.example_shape = None if example_shape is None else tuple(int(v) for v in example_shape)
+        self.example_dtype = np.dtype(example_dtype)
+        if all(isinstance(n, Node) for n in nodes):
+            self._pending, self._nodes = None, {n.name: n for n in nodes}
+            self._changed()
+        else: self._pending, self._nodes = _checked_rows(nodes), {}   # from a model file: its layers are attached next
+
+    @property
+    def nodes(self) -> dict:
+        "{name: Node} in an order that runs."
+        if self._pending is not None: self._resolve()
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, value): self._nodes = value
+
+    def _resolve(self):
+        "Nodes from the rows of a model file, once the file has given the graph its layers."
+        rows, self._pending = self._pending, None
+        held = dict(self.named_modules())
+        for name, path, *_ in rows:
+            if path not in held or isinstance(held[path], (Graph, Scope)):
+                raise GraphError(f"node {name!r} names layer {path!r}, which the graph does not hold")
+        self._nodes = {name: Node(name, held[path], tuple(inputs), tuple(shape), np.dtype(dtype)) for name, path, inputs, shape, dtype in rows}
         self._changed()
+
+    def config(self):
+        where = {}
+        for n in self.nodes.values(): where.setdefault(id(n.module), n.name)
+        rows = [[n.name, where[id(n.module)], list(n.inputs), [int(v) for v in n.shape], str(np.dtype(n.dtype))] for n in self.nodes.values()]
+        return dict(nodes=rows, output=self.output, input_name=self.input_name, example_dtype=str(self.example_dtype),
+                    example_shape=None if self.example_shape is None else list(self.example_shape))
+
+    def check_state(self):
+        "After loading from a file: the nodes resolve to the graph's layers and read only values made before them."
+        self.nodes
 
     def _changed(self):
         "After a rewrite: check the order, install the layers as children, plan when each value can be dropped."
@@ -112,7 +193,7 @@ class Graph(Module):
     def _install(self, name, module):
         parent, *path = self, *name.split('.')
         for part in path[:-1]:
-            if part not in parent._modules: setattr(parent, part, Module())
+            if part not in parent._modules: setattr(parent, part, Scope())
             parent = parent._modules[part]
         setattr(parent, path[-1], module)
 
@@ -198,6 +279,16 @@ class Graph(Module):
         lines = ['  '.join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
         total = sum(p.data.size for p in self.parameters())
         return '\n'.join(lines + [f"output: {self.output}; {len(self.nodes)} nodes, {total:,} parameters"])
+
+def _checked_rows(rows) -> list:
+    "The node rows of a model file, `[name, layer path, [inputs], [shape], dtype]` each, or a GraphError."
+    def ok(r):
+        return (isinstance(r, list) and len(r) == 5 and isinstance(r[0], str) and isinstance(r[1], str)
+                and isinstance(r[2], list) and all(isinstance(i, str) for i in r[2])
+                and isinstance(r[3], list) and all(isinstance(v, int) for v in r[3]) and isinstance(r[4], str))
+    bad = next((r for r in rows if not ok(r)), None) if isinstance(rows, list) else rows
+    if bad is not None: raise GraphError(f"a graph node must be [name, layer, [inputs], [shape], dtype], got {bad!r}")
+    return rows
 
 # %% ../nbs/90c_graph.ipynb #4c9134c8
 _READS = {'item': '.item()', 'numpy': '.numpy()', 'tolist': '.tolist()', 'argmax': '.argmax()', '__bool__': 'an if or a while',
