@@ -105,7 +105,8 @@ def is_leaf(module) -> bool:
 
 @dataclass
 class Node:
-    "One step of a graph: `module` applied to the values named in `inputs`; `shape`/`dtype` of its output for the example."
+    """One step of a graph: `module` applied to the values named in `inputs`; `shape`/`dtype` of its output for the example.
+    Change a graph's nodes with its rewrites (`replace`, `insert_after`, `remove`), which keep it consistent."""
     name: str
     module: Module
     inputs: tuple
@@ -189,6 +190,7 @@ class Graph(Module):
             if id(n.module) not in installed: self._install(n.name, n.module); installed.add(id(n.module))
         last = {i: n.name for n in self.nodes.values() for i in n.inputs}
         self._drop = {name: [v for v, at in last.items() if at == name and v != self.output] for name in self.nodes}
+        self._steps = [(n.name, n.module, n.inputs, self._drop[n.name]) for n in self._nodes.values()]   # what forward runs
 
     def _install(self, name, module):
         parent, *path = self, *name.split('.')
@@ -199,11 +201,12 @@ class Graph(Module):
 
     def forward(self, x, keep_all=False):
         "The output for input `x`; with `keep_all`, a dict of every node's value instead."
+        if self._pending is not None: self._resolve()
         values = {self.input_name: x}
-        for n in self.nodes.values():
-            values[n.name] = n.module(*[values[i] for i in n.inputs])
+        for name, module, inputs, drop in self._steps:
+            values[name] = module(*[values[i] for i in inputs])
             if not keep_all:
-                for v in self._drop[n.name]: del values[v]
+                for v in drop: del values[v]
         return values if keep_all else values[self.output]
 
     def __iter__(self): return iter(self.nodes.values())
