@@ -17,8 +17,9 @@ _PARTS = {
     'kernels': ('MAX_REDUCTION', 'int8_matmul', 'quantized_adaptive_avg_pool2d', 'quantized_conv2d_naive',
                 'quantized_max_pool2d', 'requantize'),
     'int8_conv': ('pack_conv_weights', 'quantized_conv2d', 'quantized_linear'),
-    'layers': ('DeQuantStub', 'DynamicQuantizedLinear', 'QuantStub', 'QuantizedAdaptiveAvgPool2d', 'QuantizedAvgPool2d',
-               'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d', 'QuantizedReLU'),
+    'layers': ('DeQuantStub', 'DynamicQuantizedLinear', 'QuantStub', 'QuantizedAdaptiveAvgPool2d', 'QuantizedAdd',
+               'QuantizedAvgPool2d', 'QuantizedCat', 'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d',
+               'QuantizedReLU', 'add_rescale', 'quantized_add', 'rescale_int8', 'rescale_multiplier'),
     'models': ('convert', 'prepare_qat', 'quantize_dynamic', 'quantize_static'),
     'analysis': ('layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'plot_quantization_histograms', 'precision_plan',
                  'quant_benchmark', 'quantization_report', 'simulate')}
