@@ -42,3 +42,32 @@ def trained_like(model, seed=0):
             m.running_mean[:] = rng.standard_normal(m.running_mean.shape)
             m.running_var[:] = rng.uniform(0.5, 2, m.running_var.shape)
     return model.eval()
+
+
+class QuantizableNet(nn.Module):
+    "A residual block, a depthwise-separable branch concatenated with it, pooling and a classifier: layers int8 has."
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.block = ResidualBlock(c)
+        self.depthwise, self.pointwise = nn.Conv2d(c, c, 3, padding=1, groups=c), nn.Conv2d(c, c, 1)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(2), nn.Linear(8 * c, 10)
+
+    def forward(self, x):
+        x = self.block(self.bn(self.stem(x)).relu())
+        branch = self.pointwise(self.depthwise(x)).relu()
+        return self.fc(self.pool(cat([x, branch], 1)).flatten(1))
+
+
+def trained_quantizable(epochs=8, seed=0):
+    "QuantizableNet trained on the digits (Adam, lr 0.01): a model whose accuracy means something."
+    from tinycomp.data import DataLoader, load_digits
+    from tinycomp.models import fit
+    from tinycomp.optim import Adam
+    from tinycomp.tensor import manual_seed
+    manual_seed(seed)
+    net = QuantizableNet()
+    x, y = load_digits('train')
+    fit(net, DataLoader(x, y, batch_size=64, shuffle=True, seed=seed), epochs=epochs,
+        optimizer=Adam(net.parameters(), lr=1e-2), progress=False)
+    return net.eval()

@@ -161,7 +161,8 @@ def test_custom_layer_and_non_sequential(digits):
     class Custom(Module):
         def forward(self, x): return x
     with pytest.raises(TinycompError, match=r"'1' \(Custom"): Q.quantize_static(Sequential(Conv2d(1, 2, 3), Custom()), digits['calib'])
-    with pytest.raises(TinycompError, match="Sequential models"): Q.quantize_static(Conv2d(1, 2, 3), digits['calib'])
+    bare = Q.quantize_static(Conv2d(1, 2, 3), digits['calib'])                 # a lone layer is a chain of one
+    assert [type(m).__name__ for m in bare] == ['QuantStub', 'QuantizedConv2d', 'DeQuantStub']
     with pytest.raises(TinycompError, match="pass fold_bn=True"):
         Q.quantize_static(Sequential(Conv2d(1, 2, 3), BatchNorm2d(2)), digits['calib'], fold_bn=False)
     with pytest.raises(TinycompError, match="nothing to quantize"): Q.quantize_static(Sequential(Flatten()), digits['calib'])
@@ -441,3 +442,53 @@ def test_module_03_profiles_integer_models(wide, digits):
         if r['type'].startswith('Quantized'): assert r['activation_bytes'] == int(np.prod(r['output_shape']))
     assert pq.rows[0]['type'] == 'QuantStub' and pq.rows[-1]['activation_bytes'] == 4 * int(np.prod(pq.rows[-1]['output_shape']))
     assert f['Conv2d']['activation_bytes'] == 4 * int(np.prod(f['Conv2d']['output_shape']))
+
+
+# ---------------------------------------------------------------- models that are not chains
+@pytest.fixture(scope='module')
+def residual():
+    from graph_models import trained_quantizable
+    return trained_quantizable()
+
+
+@pytest.mark.slow
+def test_a_residual_network_is_int8_between_its_stubs_and_within_a_point_of_float(residual, digits, tmp_path):
+    "Residual add and concatenation included: every layer between QuantStub and DeQuantStub reads and writes int8."
+    from tinycomp.graph import Graph
+    q = Q.quantize_static(residual, digits['calib'])
+    assert isinstance(q, Graph)
+    ops = [n.op for n in q]
+    assert ops.count('QuantStub') == 1 and ops.count('DeQuantStub') == 1 and {'QuantizedAdd', 'QuantizedCat'} <= set(ops)
+    assert 'BatchNorm2d' not in ops and 'ReLU' not in ops                          # folded and fused
+    X, y = digits['test']
+    assert evaluate(q, (X, y)).accuracy >= evaluate(residual, (X, y)).accuracy - 0.01
+    seen = []
+    hooks = [n.module.register_forward_hook(lambda mod, a, o: seen.append((type(mod).__name__, [L._data(v).dtype for v in a], L._data(o).dtype)))
+             for n in q]
+    q(Tensor(X[:5]))
+    for h in hooks: h.remove()
+    assert [s[0] for s in seen] == ops
+    assert all(d == np.int8 for _, ins, _ in seen[1:] for d in ins) and all(out == np.int8 for _, _, out in seen[:-1])
+    back = tio.load(tio.save(q, tmp_path / 'residual_int8.npz')).eval()
+    assert np.array_equal(back(Tensor(X[:50])).data, q(Tensor(X[:50])).data)
+
+
+def test_a_residual_plan_reads_its_branches_and_keeps_float_where_asked(residual, digits):
+    from tinycomp.graph import Graph
+    ops = Q.quantization_plan(residual, example=digits['calib'][:2])
+    kinds = [(op['kind'], op['inputs'], op['relu']) for op in ops]
+    add = next(i for i, op in enumerate(ops) if op['kind'] == 'add')
+    assert kinds[add] == ('add', [add - 1, 0], True)                              # conv2 (+bn2) and the stem, then relu
+    assert ops[0]['names'] == ['stem', 'bn', 'relu'] and ops[add]['names'] == ['block.add', 'block.relu_1']
+    with pytest.raises(TinycompError, match="pass an example input"):
+        Q.quantization_plan(residual)
+    in_qp, out_qp = Q.calibrate(ops, digits['calib'])
+    assert set(out_qp) == {i for i, op in enumerate(ops) if op['kind'] in ('conv', 'linear', 'add', 'cat')}
+    mixed = Q.build_quantized(ops, in_qp, out_qp, [8, None, 8, 8, 8, 8])          # block.conv1 kept float32
+    assert isinstance(mixed, Graph) and [n.op for n in mixed].count('DeQuantStub') == 2
+    X, y = digits['test']
+    assert evaluate(mixed.eval(), (X, y)).accuracy >= evaluate(residual, (X, y)).accuracy - 0.02
+    with pytest.raises(TinycompError, match="the per-layer analysis reads models that are chains"):
+        A.quantization_report(residual, mixed, X[:4])
+    with pytest.raises(TinycompError, match="prepare_qat takes a chain of layers"):
+        Q.prepare_qat(residual)

@@ -12,7 +12,7 @@ import numpy as np
 from . import tensor as _tensor
 from .errors import TinycompError
 from .files import register_layer
-from .nn.modules import Add, Cat, Flatten, Module, Parameter, ReLU, Sigmoid, Tanh
+from .nn.modules import Add, Cat, Flatten, Module, Parameter, ReLU, Sigmoid, Tanh, parameter_counts
 from .tensor import Tensor, as_tensor, cat, no_grad, stack
 
 # %% auto #0
@@ -119,7 +119,8 @@ class Node:
         return self.module.op if isinstance(self.module, Function) else type(self.module).__name__
 
     def parameters(self) -> int:
-        return sum(p.data.size for p in self.module.parameters())
+        "The weights the node's layer holds, counted as the float weights they stand for (`parameter_counts`)."
+        return parameter_counts(self.module).parameters
 
 # %% ../nbs/90c_graph.ipynb #28b8a323
 @register_layer(container=True)
@@ -268,6 +269,8 @@ class Graph(Module):
         if x is None:
             if self.example_shape is None: raise GraphError("this graph was not traced, so it knows no input shape: pass an input")
             x = Tensor(np.zeros(self.example_shape, self.example_dtype))
+        x = x if isinstance(x, Tensor) else Tensor(np.asarray(x))
+        self.example_shape, self.example_dtype = tuple(x.shape), x.dtype
         with no_grad(): values = self(x, keep_all=True)
         for n in self.nodes.values(): n.shape, n.dtype = tuple(values[n.name].shape), values[n.name].dtype
         return self
@@ -280,7 +283,7 @@ class Graph(Module):
             rows.append((n.name, n.op, ', '.join(n.inputs), str(n.shape), f"{count:,}" if count else ''))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ['  '.join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
-        total = sum(p.data.size for p in self.parameters())
+        total = parameter_counts(self).parameters
         return '\n'.join(lines + [f"output: {self.output}; {len(self.nodes)} nodes, {total:,} parameters"])
 
 def _checked_rows(rows) -> list:

@@ -24,6 +24,7 @@ from ..data import load_digits
 from ..errors import TinycompError
 from ..files import write_json
 from ..io import model_size
+from ..graph import is_leaf
 from ..nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, parameter_counts, skip_init
 from ..tensor import Tensor, as_tensor, no_grad
 from ..conv import CONV_BENCH_SHAPES, conv2d_forward
@@ -37,7 +38,7 @@ from .layers import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear
                                           _data, weight_qmax)
 from .kernels import quantized_conv2d_naive
 from .int8_conv import _LEVELS, KERNEL_LEVELS, _pick_level, kernel_name, pack_conv_weights, quantized_conv2d
-from .models import (_WEIGHTED, _check_model, _named_leaves, _run_op, build_quantized,
+from .models import (_WEIGHTED, _check_model, _named_leaves, run_plan, build_quantized,
                                           calibrate, quantization_plan, quantize_static)
 
 # %% ../../nbs/04g_quantization_analysis.ipynb #50c20a95
@@ -108,9 +109,19 @@ def _precision(m) -> str:
     if isinstance(m, (HalfConv2d, HalfLinear)): return 'float16'
     return 'int8' if type(m).__name__.startswith('Quantized') else 'float32'
 
+_CHAINS_ONLY = ("the per-layer analysis reads models that are chains of layers (a Sequential); this one has branches "
+                "(a residual add or a concatenation), which it does not follow yet")
+
+def _chain_plan(model, fold_bn=True) -> list:
+    "The quantization plan of `model`, which the analysis needs to be a chain of layers."
+    if not isinstance(model, Sequential) or not all(is_leaf(m) for _, m in _named_leaves(model)): raise TinycompError(_CHAINS_ONLY)
+    return quantization_plan(copy.deepcopy(model).eval(), fold_bn)
+
 def match_ops(ops, qmodel) -> list:
     """For each op of a plan: (layer of `qmodel` producing that op's output, (scale, zero_point) of that output if it
     is int8 else None, the op's main layer: the conv/linear/pool itself, before a separate BatchNorm or ReLU)."""
+    if not isinstance(qmodel, Sequential) or any(op['inputs'] != [k - 1] for k, op in enumerate(ops)):
+        raise TinycompError(_CHAINS_ONLY)
     out, i, qp, is_int, pending_relu = [None] * len(ops), 0, None, False, False
     def mismatch(name, m):
         want = ops[i]['kind'] if i < len(ops) else 'nothing'
@@ -133,10 +144,8 @@ def match_ops(ops, qmodel) -> list:
 
 def _float_activations(ops, x):
     "Output of every op of the float plan on `x`."
-    acts, a = [], Tensor(np.asarray(x, np.float32))
-    with no_grad():
-        for op in ops:
-            a = _run_op(op, a); acts.append(a.data)
+    acts = [None] * len(ops)
+    with no_grad(): run_plan(ops, Tensor(np.asarray(x, np.float32)), lambda i, v: acts.__setitem__(i, v.data))
     return acts
 
 def _quantized_activations(ops, qmodel, x):
@@ -167,7 +176,7 @@ class QuantizationReport(list):
 def quantization_report(model, qmodel, x) -> QuantizationReport:
     """Per-op SQNR (dB) of `qmodel`'s activations (dequantized) against the float `model`'s (BatchNorm folded) on
     inputs `x`, and of the quantized weights against the float weights."""
-    ops = quantization_plan(copy.deepcopy(model).eval())
+    ops = _chain_plan(model)
     ref = _float_activations(ops, x)
     got, matched = _quantized_activations(ops, qmodel, x)
     rows = QuantizationReport()
@@ -184,7 +193,7 @@ def plot_quantization_histograms(model, qmodel, x, bins=80, path=None):
     import matplotlib
     if path is not None: matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
-    ops = quantization_plan(copy.deepcopy(model).eval())
+    ops = _chain_plan(model)
     acts, matched = _float_activations(ops, x), match_ops(ops, qmodel)
     picked = [(k, m) for k, (_, _, m) in enumerate(matched) if isinstance(m, _QuantizedWeighted)]
     if not picked: raise TinycompError("the quantized model has no QuantizedConv2d or QuantizedLinear layer to plot")
@@ -246,7 +255,7 @@ def layer_sensitivity(model, calibration, data, bits=(8, 4), observer=MinMaxObse
     return rows
 
 def _prepare(model, calibration, observer, fold_bn=True):
-    ops = quantization_plan(copy.deepcopy(model).eval(), fold_bn)
+    ops = _chain_plan(model, fold_bn)
     in_qp, out_qp = calibrate(ops, calibration, observer)
     return ops, in_qp, out_qp
 
