@@ -492,3 +492,22 @@ def test_a_residual_plan_reads_its_branches_and_keeps_float_where_asked(residual
         A.quantization_report(residual, mixed, X[:4])
     with pytest.raises(TinycompError, match="prepare_qat takes a chain of layers"):
         Q.prepare_qat(residual)
+
+
+def test_a_relu_is_not_fused_into_a_value_another_branch_reads_through_a_dropout(digits):
+    "conv -> dropout -> relu, and the conv's output also added back: the ReLU must stay an op of its own."
+    from tinycomp.nn.modules import Add
+    class Branch(Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.drop, self.relu, self.add = Conv2d(1, 1, 3, padding=1), Dropout(0.1), ReLU(), Add()
+            self.fc = Linear(64, 3)
+        def forward(self, x):
+            y = self.conv(x)
+            return self.fc(self.add(self.relu(self.drop(y)), y).flatten(1))
+    model = Branch().eval()
+    ops = Q.quantization_plan(model, example=digits['calib'][:2])
+    assert [op['kind'] for op in ops] == ['conv', 'relu', 'add', 'flatten', 'linear'] and not ops[0]['relu']
+    q = Q.quantize_static(model, digits['calib'])
+    X = digits['test'][0][:64]
+    assert np.abs(q(Tensor(X)).data - model(Tensor(X)).data).max() < 0.1 * np.abs(model(Tensor(X)).data).max() + 0.05

@@ -109,8 +109,8 @@ def quantization_plan(model, fold_bn=True, example=None) -> list:
             if len(inputs) != 2: raise _unsupported(name, m, f"an add of {len(inputs)} values (two are supported)")
             op_of[name] = new('add', m, inputs)
         elif t is Cat: op_of[name] = new('cat', m, inputs)
-        elif t is Dropout:
-            op_of[name] = op_of[inputs[0]]
+        elif t is Dropout:                      # removed: its readers read what it read (so that value has them all)
+            op_of[name], users[name] = op_of[inputs[0]], users.get(name, 0) + users[inputs[0]] - 1
             if op_of[name] >= 0: ops[op_of[name]]['names'].append(name)
         else: raise _unsupported(name, m)
     if not any(op['kind'] in _WEIGHTED for op in ops):
