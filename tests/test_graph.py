@@ -247,3 +247,57 @@ def test_a_graph_file_that_does_not_add_up_is_refused(tmp_path):
     assert "a graph node must be [name, layer, [inputs], [shape], dtype]" in broken(lambda c: c['nodes'].append([1, 2]), 'malformed')
     assert "output 'nothing' is not a node" in broken(lambda c: c.__setitem__('output', 'nothing'), 'output')
     assert "names layer 'block', which the graph does not hold" in broken(lambda c: c['nodes'][0].__setitem__(1, 'block'), 'scope')
+
+
+def test_what_a_reviewer_broke_stays_fixed(tmp_path):
+    "Shapes other than the example's, names out of order, keyword calls, in-place edits, fixed reshapes, odd examples."
+    net = trained_like(BranchyNet())
+    g = trace(net, images(2))
+    with pytest.raises(GraphError, match=r"made for inputs of shape \(N, 1, 8, 8\), got \(2, 1, 16, 16\)"):
+        g(images(2, size=16))                                       # its mean keeps the count of an 8x8 input
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+        def forward(self, x): return self.fc(x) + self.fc(x * 2)
+    m, x = Twice(), np.ones((2, 3), np.float32)
+    g = trace(m, x)
+    assert [n.name for n in g] == ['fc', 'mul', 'fc_1', 'add'] and list(g.state_dict()) == ['fc.weight', 'fc.bias', 'mul.constant1']
+    g.load_state_dict({**m.state_dict(), 'mul.constant1': np.float32(2)})
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+        def forward(self, x): return self.fc(x=x)
+    with pytest.raises(GraphError, match="called without positional tensors"):
+        trace(Keywords(), x)
+
+    class InPlace(Twice):
+        def forward(self, x):
+            x.data += 1
+            return self.fc(x)
+    example = np.zeros((2, 3), np.float32)
+    with pytest.raises(GraphError, match="computes other values"):
+        trace(InPlace(), example)
+    assert not example.any()                                              # the caller's example is left alone
+
+    class FixedReshape(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+        def forward(self, x): return self.fc(x).reshape(4, 3, 4)
+    with pytest.raises(GraphError, match=r"running the model again on a batch of 3 instead of 2 failed \(ShapeError"):
+        trace(FixedReshape(), np.ones((2, 3, 8), np.float32))
+    with pytest.raises(GraphError, match="one example input, an array or a Tensor, got a tuple"):
+        trace(m, (x, x))
+    with pytest.raises(GraphError, match="holds NaN or infinite values"):
+        trace(m, np.full((2, 3), np.nan, np.float32))
+    with pytest.raises(GraphError, match="is not a dotted name"):
+        g.insert_after('fc', 'x.', nn.ReLU())
+    g.insert_after('add', 'act', nn.ReLU())
+    assert g['act'].shape is None and '?' in str(g).splitlines()[-2]
+    from tinycomp import io
+    back = io.load(io.save(g, tmp_path / 'g.npz'))                         # shapes inferred on the way to the file
+    assert back['act'].shape == (2, 3)

@@ -281,3 +281,19 @@ def test_branches_meeting_are_counted_and_a_graph_profiles_like_its_model(tmp_pa
     assert (softmax['output_shape'], softmax['flops']) == ((4, 10), 160)
     flat = layer_cost(Function('reshape', {'shape': (4, -1)}, batch_shape=True), (10 ** 6, 3, 8, 8))
     assert (flat['output_shape'], flat['flops']) == ((10 ** 6, 192), 0)       # shapes only: nothing that large is made
+
+
+def test_a_layer_called_twice_has_its_parameters_counted_once(x_digits):
+    class Twice(Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = Linear(4, 4)
+        def forward(self, x): return self.fc(self.fc(x).relu())
+    p = profile_model(Twice(), np.ones((3, 4), np.float32), repeats=2, warmup=1)
+    assert [r['name'] for r in p.rows] == ['fc', 'relu', 'fc_1'] and [r['params'] for r in p.rows] == [20, 0, 0]
+    assert p.params == 20 and p.rows[2]['flops'] == p.rows[0]['flops'] > 0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert layer_cost(Function('log', {}), (2, 3))['flops'] == 6                # no divide-by-zero warning
+    assert layer_cost(Function('exp', {}), (10 ** 6, 10 ** 6))['output_shape'] == (10 ** 6, 10 ** 6)   # nothing allocated

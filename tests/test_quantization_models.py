@@ -511,3 +511,17 @@ def test_a_relu_is_not_fused_into_a_value_another_branch_reads_through_a_dropout
     q = Q.quantize_static(model, digits['calib'])
     X = digits['test'][0][:64]
     assert np.abs(q(Tensor(X)).data - model(Tensor(X)).data).max() < 0.1 * np.abs(model(Tensor(X)).data).max() + 0.05
+
+
+def test_an_add_that_reads_the_models_input_is_integer_too(digits):
+    "relu(x + conv(x)): the skip reads the float input; the add quantizes it (sharing the input's stub) and stays int8."
+    from tinycomp.nn.modules import Add
+    class Skip(Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.add, self.fc = Conv2d(1, 1, 3, padding=1), Add(), Linear(64, 3)
+        def forward(self, x): return self.fc(self.add(x, self.conv(x)).relu().flatten(1))
+    q = Q.quantize_static(Skip().eval(), digits['calib'])
+    ops = [(n.op, n.inputs) for n in q]
+    assert ops[:3] == [('QuantStub', ('input',)), ('QuantizedConv2d', ('input_quant',)), ('QuantizedAdd', ('input_quant', 'conv'))]
+    assert [op for op, _ in ops].count('QuantStub') == 1 and [op for op, _ in ops].count('DeQuantStub') == 1

@@ -105,7 +105,8 @@ def is_leaf(module) -> bool:
 
 @dataclass
 class Node:
-    """One step of a graph: `module` applied to the values named in `inputs`; `shape`/`dtype` of its output for the example.
+    """One step of a graph: `module` applied to the values named in `inputs`; `shape`/`dtype` of its output for the example
+    (None for a node inserted since, until `Graph.infer_shapes`).
     Change a graph's nodes with its rewrites (`replace`, `insert_after`, `remove`), which keep it consistent."""
     name: str
     module: Module
@@ -164,9 +165,11 @@ class Graph(Module):
         self._changed()
 
     def config(self):
+        if self.example_shape is not None and any(n.shape is None for n in self.nodes.values()): self.infer_shapes()
         where = {}
         for n in self.nodes.values(): where.setdefault(id(n.module), n.name)
-        rows = [[n.name, where[id(n.module)], list(n.inputs), [int(v) for v in n.shape], str(np.dtype(n.dtype))] for n in self.nodes.values()]
+        rows = [[n.name, where[id(n.module)], list(n.inputs), [int(v) for v in n.shape or ()], str(np.dtype(n.dtype or 'float32'))]
+                for n in self.nodes.values()]
         return dict(nodes=rows, output=self.output, input_name=self.input_name, example_dtype=str(self.example_dtype),
                     example_shape=None if self.example_shape is None else list(self.example_shape))
 
@@ -183,6 +186,8 @@ class Graph(Module):
             if not isinstance(n.module, Module): raise GraphError(f"node {n.name!r} holds a {type(n.module).__name__}, not a layer (a Module)")
             known.add(n.name)
         if self.output not in known: raise GraphError(f"the graph's output {self.output!r} is not a node")
+        bad = [n for n in self.nodes if not n or n.startswith('.') or n.endswith('.') or '..' in n]
+        if bad: raise GraphError(f"node name {bad[0]!r} is not a dotted name (like 'block.add')")
         nested = [n for n in self.nodes for m in self.nodes if n.startswith(m + '.')]
         if nested: raise GraphError(f"node {nested[0]!r} is named inside another node's layer; pick a name that is not")
         self._modules.clear()
@@ -203,6 +208,11 @@ class Graph(Module):
     def forward(self, x, keep_all=False):
         "The output for input `x`; with `keep_all`, a dict of every node's value instead."
         if self._pending is not None: self._resolve()
+        shape = getattr(x, 'shape', None)
+        if self.example_shape is not None and shape is not None and tuple(shape[1:]) != tuple(self.example_shape[1:]):
+            raise GraphError(f"this graph was made for inputs of shape (N, {', '.join(map(str, self.example_shape[1:]))}), "
+                             f"got {tuple(shape)}: its ops keep sizes from the example (a mean's count, a reshape); trace "
+                             "again on an input of this shape")
         values = {self.input_name: x}
         for name, module, inputs, drop in self._steps:
             values[name] = module(*[values[i] for i in inputs])
@@ -252,7 +262,7 @@ class Graph(Module):
             self._rewired(name, new_name, [n for n in self.nodes.values() if name in n.inputs])
             items = list(self.nodes.items())
             at = 0 if name == self.input_name else [k for k, _ in items].index(name) + 1
-            items.insert(at, (new_name, Node(new_name, module, (name,))))
+            items.insert(at, (new_name, Node(new_name, module, (name,), None)))
             self.nodes = dict(items)
 
     def remove(self, name):
@@ -280,7 +290,7 @@ class Graph(Module):
         rows.append((self.input_name, 'input', '', str(self.example_shape), ''))
         for n in self.nodes.values():
             count = n.parameters()
-            rows.append((n.name, n.op, ', '.join(n.inputs), str(n.shape), f"{count:,}" if count else ''))
+            rows.append((n.name, n.op, ', '.join(n.inputs), '?' if n.shape is None else str(n.shape), f"{count:,}" if count else ''))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ['  '.join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
         total = parameter_counts(self).parameters
@@ -415,27 +425,32 @@ def _build(rec, model, out, x):
     if not rec.made_here(out):
         raise GraphError("the model's output is not computed from its input by layers and tensor ops "
                          "(does the forward compute with `.data` or NumPy?)")
-    taken = {name for name, _ in model.named_modules()}
-    names = {id(x): _unique('input', taken)}
-    made, values, stack, used = [], {}, [out], set()
+    seen, found, stack = {id(x)}, [], [out]            # every value the output depends on, found walking back
     while stack:
-        t = stack[-1]
-        if id(t) in names: stack.pop(); continue
+        t = stack.pop()
+        if id(t) in seen: continue
+        seen.add(id(t))
         if id(t) in rec.calls:
             seq, label, module, args = rec.calls[id(t)]
-            stray = [a for a in args if not rec.made_here(a)]
-            if stray: raise GraphError(f"layer {label!r} reads a tensor that is not computed from the model's input "
-                                       "(made with `.data`, NumPy or a constant?); a graph feeds layers from the input")
+            if not args: raise GraphError(f"layer {label!r} was called without positional tensors (keyword arguments?); "
+                                          "a graph passes the tensors a layer reads as positional arguments")
+            if any(not rec.made_here(a) for a in args):
+                raise GraphError(f"layer {label!r} reads a tensor that is not computed from the model's input "
+                                 "(made with `.data`, NumPy or a constant?); a graph feeds layers from the input")
             sources = list(args)
         else:
             seq, op, parents, settings, scope = rec.ops[id(t)]
             sources = [p for p in parents if rec.made_here(p)]
-        todo = [s for s in sources if id(s) not in names]
-        if todo: stack.extend(todo); continue
-        stack.pop()
+        found.append((seq, t, sources))
+        stack.extend(sources)
+    taken = {name for name, _ in model.named_modules()}
+    names, values, nodes, used = {id(x): _unique('input', taken)}, {}, [], set()
+    for seq, t, sources in sorted(found, key=lambda f: f[0]):          # named in the order the forward ran them
         if id(t) in rec.calls:
+            _, label, module, _ = rec.calls[id(t)]
             name = label if label not in used else _unique(label, taken)
         else:
+            _, op, parents, settings, scope = rec.ops[id(t)]
             if op not in _RUN: raise GraphError(f"the forward calls the op {op!r} between layers; a graph holds layers and "
                                                 f"the ops of tinycomp.tensor: use the layer that does {op!r} instead")
             index = settings.get('index')
@@ -447,8 +462,7 @@ def _build(rec, model, out, x):
         names[id(t)] = name
         used.add(name)
         values[name] = t
-        made.append((seq, Node(name, module, tuple(names[id(s)] for s in sources), tuple(t.shape), t.dtype)))
-    nodes = [n for _, n in sorted(made, key=lambda m: m[0])]
+        nodes.append(Node(name, module, tuple(names[id(s)] for s in sources), tuple(t.shape), t.dtype))
     graph = Graph(nodes, names[id(out)], names[id(x)], tuple(x.shape), x.dtype)
     return graph, values
 
@@ -469,8 +483,13 @@ def _same(a, b) -> bool:
 
 def _check_runs_again(model, graph, x, what, hint=''):
     "Trace `model` on `x` too: the same nodes, and the graph computes what the model computes, node by node."
-    rec = _Recorder(model)
-    again, values = _build(rec, model, rec.run(model, x), x)
+    rec, mine = _Recorder(model), Tensor(x.data.copy())              # copies: a forward that edits its input in place
+    x = Tensor(x.data.copy())
+    try: again, values = _build(rec, model, rec.run(model, x), x)
+    except GraphError: raise
+    except Exception as e:
+        raise GraphError(f"running the model again on {what} failed ({type(e).__name__}: {e}): " + (hint or
+                         "does its forward depend on the example's values?")) from e
     for old, new in zip(list(graph) + [None], list(again) + [None]):
         if old is None and new is None: break
         if old is None or new is None or (old.name, old.op, old.inputs) != (new.name, new.op, new.inputs):
@@ -478,7 +497,7 @@ def _check_runs_again(model, graph, x, what, hint=''):
             was = f"{old.name} ({old.op})" if old else 'nothing more'
             raise GraphError(f"for {what} the forward ran {ran} where it ran {was} for the example: " + (hint or
                              "it takes another path depending on the data (Python if/while on values?), which one graph cannot hold"))
-    mine = graph(x, keep_all=True)
+    mine = graph(mine, keep_all=True)
     for n in graph:
         if not _same(mine[n.name], values[n.name]):
             why = hint or ("it reads a constant the forward computed, which the graph keeps from the example (compute it "
@@ -490,10 +509,16 @@ def _check_runs_again(model, graph, x, what, hint=''):
 def trace(model, example_input) -> Graph:
     """The graph of `model`: its leaf layers and the tensor ops its forward uses between them, with the shapes and dtypes
     they give on `example_input`. Traced in eval mode (the model's modes are restored); the graph shares the model's
-    layers (deep-copy it for an independent one). A forward whose path or values depend on the data is refused."""
+    layers (deep-copy it for an independent one). A forward whose path or values depend on the data is refused when the
+    checks see it (reads of values, and runs on other inputs; a branch on `.data` that those inputs do not flip goes
+    unseen). Tracing is not thread-safe: while it runs, tensor code in other threads meets its checks."""
     if not isinstance(model, Module): raise GraphError(f"trace takes a tinycomp Module, got a {type(model).__name__}")
-    x = example_input if isinstance(example_input, Tensor) else Tensor(np.asarray(example_input))
+    if not isinstance(example_input, (Tensor, np.ndarray)):
+        raise GraphError(f"trace takes one example input, an array or a Tensor, got a {type(example_input).__name__}")
+    x = Tensor(np.array(example_input.data if isinstance(example_input, Tensor) else example_input))   # a copy: never edited
     if x.ndim == 0 or x.shape[0] == 0: raise GraphError(f"the example input needs a batch dimension with rows, got shape {x.shape}")
+    if x.dtype.kind == 'f' and not np.isfinite(x.data).all():
+        raise GraphError("the example input holds NaN or infinite values; trace on real inputs (its values are compared)")
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

@@ -126,9 +126,11 @@ _ELEMENTWISE = {'add', 'sub', 'mul', 'div', 'neg', 'pow', 'exp', 'log', 'sqrt', 
 
 def _function_cost(self, *in_shapes):
     """A tensor op between layers: one FLOP per value for element-wise ops and reductions, four per value for a
-    softmax, 2·K per output of a matmul, none for reshapes, slices and concatenations (the output shape comes from
-    running the op on zeros that take no memory)."""
-    out = tuple(self(*[Tensor(np.broadcast_to(np.zeros((), np.float32), s)) for s in in_shapes]).shape)
+    softmax, 2·K per output of a matmul, none for reshapes, slices and concatenations (the output shape by the
+    broadcasting rule, or, for the other ops, from running the op on zeros whose input takes no memory)."""
+    if self.op in _ELEMENTWISE: out = tuple(np.broadcast_shapes(*in_shapes, *(np.shape(c.data) for c in self.constants.values())))
+    else:
+        with np.errstate(all='ignore'): out = tuple(self(*[Tensor(np.broadcast_to(np.zeros((), np.float32), s)) for s in in_shapes]).shape)
     flops = {'sum': math.prod(in_shapes[0]), 'max': math.prod(in_shapes[0]), 'softmax': 4 * math.prod(in_shapes[0]),
              'log_softmax': 4 * math.prod(in_shapes[0]),
              'matmul': 2 * math.prod(out) * (in_shapes[0][-1] if in_shapes else 0)}.get(self.op, math.prod(out) if self.op in _ELEMENTWISE else 0)
@@ -151,7 +153,7 @@ def layer_cost(module, in_shape, itemsize=4) -> dict:
     cost = getattr(module, 'cost', None)
     if not callable(cost):
         raise TinycompError(f"layer_cost: no cost rule for layer type {type(module).__name__}; give the class a "
-                            "cost(in_shape) method returning output_shape, flops, params and output_itemsize")
+                            "cost(*in_shapes) method returning output_shape, flops, params and output_itemsize")
     c = cost(*shapes)
     out, flops, params, out_itemsize = tuple(map(int, c['output_shape'])), c['flops'], c['params'], c['output_itemsize'] or itemsize
     weight_bytes = _weight_bytes(module)
@@ -271,7 +273,7 @@ def profile_model(model, x, repeats=20, warmup=3) -> Profile:
         for m, flag in flags: m.training = flag
     lat_ms = np.median(durations, axis=0) * 1e-6
     shape_of = {graph.input_name: (tuple(_shape(x)), _itemsize(x)), **{n.name: (n.shape, np.dtype(n.dtype).itemsize) for n in nodes}}
-    rows, uncounted = [], []
+    rows, uncounted, counted = [], [], set()
     for i, n in enumerate(nodes):
         in_shapes = [shape_of[v][0] for v in n.inputs]
         itemsize, out_bytes = (shape_of[n.inputs[0]][1] if n.inputs else 4), math.prod(n.shape) * shape_of[n.name][1]
@@ -280,6 +282,8 @@ def profile_model(model, x, repeats=20, warmup=3) -> Profile:
             uncounted.append(n.op)
             c = dict(params=parameter_counts(n.module).parameters, flops=0, weight_bytes=_weight_bytes(n.module), intensity=0.0)
         moved = itemsize * sum(math.prod(s) for s in in_shapes) + c['weight_bytes'] + out_bytes
+        if id(n.module) in counted: c = dict(c, params=0)         # a layer called twice: its parameters counted once
+        counted.add(id(n.module))
         ms = float(lat_ms[i])
         rows.append(dict(name=n.name, type=n.op, output_shape=tuple(n.shape), params=c['params'], flops=c['flops'],
                          weight_bytes=c['weight_bytes'], activation_bytes=out_bytes, bytes_moved=moved, latency_ms=ms,

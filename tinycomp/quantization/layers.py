@@ -431,11 +431,12 @@ def rescale_int8(q, zero_point, multiplier, shift, output_zero_point) -> np.ndar
     out = multiply_by_quantized_multiplier(shifted, multiplier, shift).astype(np.int64)
     return np.clip(out + int(output_zero_point), -128, 127).astype(np.int8)
 
-def _join_qparams(layer, input_scales, input_zero_points, scale, zero_point):
-    "Checked input and output (scale, zero point) of a layer where branches meet."
+def _join_qparams(layer, input_scales, input_zero_points, scale, zero_point, most=None):
+    "Checked input and output (scale, zero point) of a layer where branches meet (two inputs or more, at `most` if given)."
     name = type(layer).__name__
-    if len(input_scales) != len(input_zero_points) or len(input_scales) < 2:
-        raise TinycompError(f"{name} needs a scale and a zero point for each of at least two inputs, got "
+    if len(input_scales) != len(input_zero_points) or len(input_scales) < 2 or len(input_scales) > (most or len(input_scales)):
+        wanted = 'two inputs' if most == 2 else 'at least two inputs'
+        raise TinycompError(f"{name} needs a scale and a zero point for each of {wanted}, got "
                             f"{len(input_scales)} scales and {len(input_zero_points)} zero points")
     layer.inputs = [_qparams(s, z, f"{name} input {i}") for i, (s, z) in enumerate(zip(input_scales, input_zero_points))]
     layer.scale, layer.zero_point = _qparams(scale, zero_point, f"{name} output")
@@ -447,10 +448,10 @@ def _int8_inputs(layer, xs):
 
 @register_layer
 class QuantizedAdd(Module):
-    "The residual add of an integer model: int8 inputs, each at its own scale and zero point, summed into int8 at the output's."
+    "The residual add of an integer model: two int8 inputs, each at its own scale and zero point, summed into int8 at the output's."
     def __init__(self, input_scales, input_zero_points, scale, zero_point, relu=False):
         super().__init__()
-        _join_qparams(self, input_scales, input_zero_points, scale, zero_point)
+        _join_qparams(self, input_scales, input_zero_points, scale, zero_point, most=2)   # so the sum fits in 32 bits
         self.relu = bool(relu)
         self.rescale = add_rescale([s for s, _ in self.inputs], self.scale)
     def config(self):

@@ -201,7 +201,7 @@ def build_quantized(ops, input_qparams, output_qparams, bits=8, per_channel=True
     """The integer (or mixed) model of `ops`: `bits` is 8, 4, 3, 2, 16, None, or a list with one of those per
     conv/linear op (16 keeps the op float with float16 weights, None keeps it float32). `input_qparams` and
     `output_qparams` come from `calibrate`. A QuantStub or DeQuantStub goes on every edge where int8 meets float; an
-    add or a concatenation is integer when all its inputs are. A chain comes back as a Sequential, anything else as a
+    add or a concatenation is integer when any of its inputs is. A chain comes back as a Sequential, anything else as a
     `Graph`."""
     weighted = [i for i, op in enumerate(ops) if op['kind'] in _WEIGHTED]
     bits = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(weighted)
@@ -238,7 +238,7 @@ def build_quantized(ops, input_qparams, output_qparams, bits=8, per_channel=True
             else: layers = _float_layers(op, half=choice[i] == 16)
             is_int[i], qp[i] = as_int, output_qparams[i]
         elif kind in ('add', 'cat'):
-            as_int = all(is_int[j] for j in op['inputs'])
+            as_int = any(is_int[j] for j in op['inputs'])      # a float input is quantized (the stub is shared)
             inputs = [value(j, as_int) for j in op['inputs']]
             layers = _joined(op, as_int, [qp[j] for j in op['inputs']], output_qparams[i])
             is_int[i], qp[i] = as_int, output_qparams[i]
