@@ -8,7 +8,7 @@ from tinycomp.models import load_pretrained
 from tinycomp.pruning import prune_channels
 from tinycomp.quantization import quantize_static
 wide = load_pretrained('digits_cnn_wide'); test = load_digits('test')
-cands = {'int8': quantize_static(wide, load_digits('train')[0][:256]), 'pruned50': prune_channels(wide, 0.5),
+cands = {'int8': quantize_static(wide, load_digits('train')[0][:256]), 'pruned50': prune_channels(wide, 0.5, input_shape=(1, 1, 8, 8)),
          'identical copy': copy.deepcopy(wide)}
 runs = [compare(('float32', wide), cands, test, seed=s) for s in (0, 1)]
 print(runs[0].table())

@@ -150,7 +150,7 @@ def test_parameter_counts_for_every_kind_of_model():
     assert total == n and nonzero < 0.45 * n
     sparse = to_sparse(masked, max_density=0.5)
     assert parameter_counts(sparse) == (n, nonzero)
-    assert parameter_counts(prune_channels(model, 0.5))[0] < 0.5 * n
+    assert parameter_counts(prune_channels(model, 0.5, input_shape=(1, 1, 8, 8)))[0] < 0.5 * n
 
 
 def test_model_size_is_the_saved_file(tiny, tmp_path):
@@ -240,7 +240,7 @@ def test_compare_rows_against_the_baseline(digits):
     from tinycomp.quantization import quantize_static
     model = load_pretrained('digits_cnn')
     int8 = quantize_static(model, load_digits('train')[0][:64])
-    cut = prune_channels(model, 0.75)
+    cut = prune_channels(model, 0.75, input_shape=(1, 1, 8, 8))
     c = compare(('float32', model), {'twin': copy.deepcopy(model), 'int8': int8, 'cut': cut}, digits, rounds=3, calls=2,
                 memory=False)
     assert [r['name'] for r in c.rows] == ['float32', 'twin', 'int8', 'cut'] and c.baseline == 'float32'

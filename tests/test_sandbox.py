@@ -545,8 +545,10 @@ def slice_conv_bn_next(conv, bn, next_layer, keep):
     nxt = None
     if next_layer is not None:
         hw = 1 if isinstance(next_layer, Conv2d) else next_layer.in_features // conv.out_channels
-        nxt = _cut_inputs(next_layer, _planes(keep, hw))
-    return _cut_outputs(conv, keep), None if bn is None else _cut_outputs(bn, keep), nxt
+        cols = np.repeat(keep * hw, hw) + np.tile(np.arange(hw), len(keep))
+        nxt = next_layer.keep_channels([cols], np.arange(next_layer.weight.shape[0]))
+    conv_keep = conv.keep_channels([np.arange(conv.in_channels)], keep)
+    return conv_keep, None if bn is None else bn.keep_channels([keep], keep), nxt
 def csr_matmul(indptr, indices, data, x):
     return csr_to_dense(indptr, indices, data, (len(indptr) - 1, x.shape[0])) @ x
 '''

@@ -87,6 +87,58 @@ def _run_slice(ns, i):
     return {'w': arr(a.weight), 'b': arr(a.bias), 'gamma': arr(b.weight), 'beta': arr(b.bias), 'mean': np.asarray(b.running_mean),
             'var': np.asarray(b.running_var), 'wn': arr(n.weight), 'inputs_untouched': np.array(untouched)}
 
+# %% ../../nbs/checks/05_pruning.ipynb #6cc267bb
+def _groups_inputs(kind):
+    "The sizes of a small graph with a residual add around a depthwise conv (multiplier 2 or 3), or two branches concatenated."
+    def make(rng):
+        d = {'c': np.array(int(rng.integers(2, 24))), 'd': np.array(int(rng.integers(2, 24))), 'k': np.array(int(rng.integers(2, 24))),
+             'order': np.array(int(rng.integers(0, 2))), 'kind': np.array(int(kind == 'concat'))}
+        if kind == 'concat': d['b'] = np.array(int(rng.integers(1, 24)))
+        else: d['m'] = np.array(int(rng.integers(2, 4)))                      # the depthwise conv's channel multiplier
+        return d
+    return make
+
+def _groups_model(i):
+    "The model the sizes describe: stem conv, then (residual) x + pw(dw(x)) or (concat) cat of conv(x) and dw(x), then a conv, a classifier."
+    from tinycomp.conv import Conv2d
+    from tinycomp.nn.modules import Linear, Module
+    from tinycomp.tensor import cat
+    c, d, k, first = int(i['c']), int(i['d']), int(i['k']), bool(i['order'])
+    class Residual(Module):
+        def __init__(self):
+            super().__init__()
+            m = int(i['m'])
+            self.stem, self.dw, self.pw = Conv2d(1, c, 1), Conv2d(c, m * c, 3, padding=1, groups=c), Conv2d(m * c, c, 1)
+            self.head, self.fc = Conv2d(c, d, 1), Linear(d * 4, k)
+        def forward(self, x):
+            x = self.stem(x).relu()
+            y = self.pw(self.dw(x))
+            return self.fc(self.head((x + y) if first else (y + x)).relu().flatten(1))
+    class Concat(Module):
+        def __init__(self):
+            super().__init__()
+            b = int(i['b'])
+            self.stem, self.branch, self.dw = Conv2d(1, c, 1), Conv2d(c, b, 1), Conv2d(c, c, 3, padding=1, groups=c)
+            self.head, self.fc = Conv2d(b + c, d, 1), Linear(d, k)
+        def forward(self, x):
+            x = self.stem(x).relu()
+            parts = [self.branch(x), self.dw(x).relu()]
+            return self.fc(self.head(cat(parts if first else parts[::-1], 1)).sum((2, 3)))
+    return Concat() if int(i['kind']) else Residual()
+
+def _run_groups(ns, i):
+    "The learner's labels, renumbered in the order the values meet them, one array for all channels."
+    from tinycomp.graph import trace
+    graph = trace(_groups_model(i).eval(), np.zeros((1, 1, 2, 2), np.float32))
+    labels = ns.channel_groups(graph)
+    if not isinstance(labels, dict): raise TypeError(f"channel_groups returned a {type(labels).__name__}, not a dict")
+    names, out, number = [graph.input_name] + list(graph.nodes), [], {}
+    for name in names:
+        if name not in labels: raise KeyError(f"channel_groups returned no labels for the value {name!r}")
+        a = np.asarray(labels[name]).reshape(-1)
+        out += [number.setdefault(int(v), len(number)) for v in a.tolist()]
+    return {'labels': np.array(out, np.int64)}
+
 # %% ../../nbs/checks/05_pruning.ipynb #f4d5a3bd
 def _sparse(rng, m, k, density):
     a = f32(rng, m, k) * (rng.random((m, k)) < density)
@@ -140,7 +192,7 @@ _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 _TOPK = ('ln_structured', '_topk_masks', 'channels_to_keep')          # the masks of the recipes: top-k by score
 _SET_ASIDE = {'l1_unstructured': _TOPK, 'global_unstructured': _TOPK, 'nm_mask': _TOPK[1:],
               'channel_importance': ('slice_norms', 'ln_structured'),
-              'slice_conv_bn_next': ('_cut_outputs', '_cut_inputs', '_planes', 'prune_channels'),
+              'slice_conv_bn_next': ('_sliced', '_keep_conv', '_keep_linear', '_keep_batchnorm', 'prune_channels'),
               'csr_matmul': ('csr_matmul_fast', '_csr_mm', '_csr_mm_kernel', '_csr_mm_rows64', 'sparse_conv2d', 'csr_to_dense')}
 
 MODULE = ModuleSpec('05', 'pruning', reference=(
@@ -156,6 +208,8 @@ MODULE = ModuleSpec('05', 'pruning', reference=(
     Check('channel_importance', 'bn_gamma', 1, _importance_inputs('bn_gamma'), _run_importance, exact_dtype=True),
     Check('slice_conv_bn_next', 'conv_next', 2, _slice_inputs('conv'), _run_slice, exact_dtype=True),
     Check('slice_conv_bn_next', 'linear_next', 2, _slice_inputs('linear'), _run_slice, exact_dtype=True),
+    Check('channel_groups', 'residual_depthwise', 2, _groups_inputs('residual'), _run_groups, **_EXACT),
+    Check('channel_groups', 'concat', 2, _groups_inputs('concat'), _run_groups, **_EXACT),
     Check('to_csr', 'empty_rows', 2, _csr_inputs, _run_csr, **_EXACT),
     Check('csr_matmul', 'rectangular', 2, _csr_mm_inputs, _run_csr_mm, exact_dtype=True),
     Check('agp_sparsity', 'every_step', 1, _agp_inputs('every_step'), _run_agp),

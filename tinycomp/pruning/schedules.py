@@ -315,13 +315,14 @@ def compress_to_size(model, target_bytes, data, calibration=None, train_loader=N
                       (lambda s=s: to_sparse(prune_with_agp(model, train_loader, s, epochs, seed=seed)[0]))))
     if quant:
         for b in bits: cands.append((f'int{b}', (lambda b=b: quant(model, b)), None))
+    shape = (1,) + tuple(np.shape(data[0])[1:])                          # one input, to trace the model
     for r in channel_ratios:
-        cands.append((f'channels {r:.0%}', (lambda r=r: prune_channels(model, r)),
-                      (lambda r=r: _fine_tune(prune_channels(model, r), train_loader, epochs, seed))))
+        cands.append((f'channels {r:.0%}', (lambda r=r: prune_channels(model, r, input_shape=shape)),
+                      (lambda r=r: _fine_tune(prune_channels(model, r, input_shape=shape), train_loader, epochs, seed))))
         if quant:
             for b in bits:
-                cands.append((f'channels {r:.0%} + int{b}', (lambda r=r, b=b: quant(prune_channels(model, r), b)),
-                              (lambda r=r, b=b: quant(_fine_tune(prune_channels(model, r), train_loader, epochs, seed), b))))
+                cands.append((f'channels {r:.0%} + int{b}', (lambda r=r, b=b: quant(prune_channels(model, r, input_shape=shape), b)),
+                              (lambda r=r, b=b: quant(_fine_tune(prune_channels(model, r, input_shape=shape), train_loader, epochs, seed), b))))
     report, best = [], None
     for i, (name, build, tuned) in enumerate(cands):
         m = build(); size = model_size(m)
@@ -359,7 +360,8 @@ def pruned_models(structured_epochs=3, agp_epochs=6, seed=0) -> dict:
     X, y = load_digits('train')
     loader = lambda: DataLoader(X, y, batch_size=64, shuffle=True, seed=seed)
     dense = load_pretrained('digits_cnn_wide')
-    half = _fine_tune(prune_channels(dense, 0.5), loader(), structured_epochs, seed) if structured_epochs else prune_channels(dense, 0.5)
+    half = prune_channels(dense, 0.5, input_shape=(1, 1, 8, 8))
+    if structured_epochs: half = _fine_tune(half, loader(), structured_epochs, seed)
     agp = prune_with_agp(dense, loader(), 0.9, max(1, agp_epochs), seed=seed)[0]
     return {'dense': dense, '50% channels removed + fine-tune': half, '90% global AGP, sparse': to_sparse(agp)}
 
