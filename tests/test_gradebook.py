@@ -151,6 +151,9 @@ def test_links_devices_and_oversized_files_are_refused_with_the_reason(tmp_path)
     os.mkfifo(d / 'erin.ipynb')                                         # a pipe: opening it would block
     with open(d / 'frank.ipynb', 'wb') as f: f.truncate(40 << 20)       # 40 MiB
     (d / 'gina').mkdir(); os.mkfifo(d / 'gina' / '01a_tensor.ipynb')
+    copy_solutions(tmp_path / 'elsewhere')                              # a copy of the solutions outside the class
+    (d / 'hank').mkdir()
+    for p in SOLUTIONS: os.link(tmp_path / 'elsewhere' / p.name, d / 'hank' / p.name)   # hard links: regular files
     out = tmp_path / 'gradebook.csv'
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
@@ -159,7 +162,7 @@ def test_links_devices_and_oversized_files_are_refused_with_the_reason(tmp_path)
     assert float(rows['alice']['total']) == float(rows['zed']['total']) == SPEC.possible
     for who, why in (('bob', 'bob is a symbolic link'), ('carol', 'are links or not regular files'),
                      ('dave', 'dave.ipynb is a symbolic link'), ('erin', 'erin.ipynb is not a regular file'),
-                     ('frank', 'larger than 32 MiB'), ('gina', 'is a link or not a regular file')):
+                     ('frank', 'larger than 32 MiB'), ('gina', 'is a link or not a regular file'), ('hank', 'is a hard link')):
         assert float(rows[who]['total']) == 0 and why in rows[who]['errors'], (who, rows[who]['errors'])
 
 
@@ -169,16 +172,28 @@ def test_a_notebook_that_is_not_a_regular_file_is_refused_by_test_too(tmp_path, 
     assert 'is not a regular file' in capsys.readouterr().err
 
 
-def test_a_learner_named_twice_is_an_error_naming_both(tmp_path, capsys):
+def test_a_learner_named_twice_gets_a_row_naming_both_and_the_class_is_graded(tmp_path):
     d = tmp_path / 'class'
     copy_solutions(d / 'bob')
     (d / 'bob.ipynb').write_text(SOLUTIONS[0].read_text())
-    with pytest.raises(GradingError) as e: learners(d, SPEC)
-    assert str(d / 'bob') in str(e.value) and str(d / 'bob.ipynb') in str(e.value)
-    env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'k.key')}
-    r = subprocess.run([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook',
-                        str(tmp_path / 'g.csv'), '--no-sandbox', '--new-key'], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 2 and "two submissions for learner 'bob'" in r.stderr and not (tmp_path / 'g.csv').exists()
+    copy_solutions(d / 'carol')                                          # the control: graded as usual
+    entries = {who: (nbs, why) for who, nbs, why in learners(d, SPEC)}
+    assert entries['bob'][0] == [] and "two submissions for learner 'bob': bob and bob.ipynb" in entries['bob'][1]
+    out = tmp_path / 'g.csv'
+    assert grade(d, '01', out, key=KEY, sandbox=False, progress=False) == 0
+    rows = rows_of(out)
+    assert float(rows['bob']['total']) == 0 and 'two submissions' in rows['bob']['errors']
+    assert float(rows['carol']['total']) == SPEC.possible and len(rows) == 2
+
+
+def test_escape_codes_in_a_learners_error_reach_the_gradebook_as_text(tmp_path):
+    "A message that would move a terminal's cursor and erase a line is written as `\\x1b[...`, never raw."
+    from learner_notebooks import with_export_cell
+    with_export_cell(tmp_path / 'class' / 'ivan', '01', "raise RuntimeError('\\x1b[1A\\x1b[2Kivan 32/32 all pass')")
+    out = tmp_path / 'g.csv'
+    assert grade(tmp_path / 'class', '01', out, key=KEY, sandbox=False, progress=False) == 0
+    raw = out.read_text()
+    assert '\x1b' not in raw and '\\x1b[2K' in raw and float(rows_of(out)['ivan']['total']) == 0
 
 
 def test_grade_and_test_write_only_the_files_they_are_asked_for(tmp_path, writes_only, monkeypatch, capsys):

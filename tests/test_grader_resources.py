@@ -71,6 +71,36 @@ def test_the_grader_holds_one_result_at_a_time(tmp_path):
     assert big - small < 4 * 60, (small, big)                        # a few results' worth (decoding, comparing)
 
 
+GRADE_07_AND_REPORT_MEMORY = '''
+import resource, sys
+from tinycomp.course.grading import grade_notebook
+from tinycomp.course.refs import prepare_checks
+from tinycomp.course.spec import get_spec
+from tinycomp.errors import GradingError
+spec = get_spec('07')
+try: r = grade_notebook(spec, sys.argv[1], prepared=prepare_checks(spec, 3), sandbox=False); said = f"{r.points} points"
+except GradingError as e: said = str(e)
+print(said, '|', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+'''
+
+
+def test_code_too_long_to_be_exercises_is_refused_before_the_grader_parses_it(tmp_path):
+    "Three MB of one-letter lines would take the grader about 2 GB to parse (a syntax tree costs about a kilobyte a token)."
+    def graded(lines):
+        folder = tmp_path / str(lines)
+        with_export_cell(folder, '07', 'a = 1\n' + 'a\n' * lines)
+        out = subprocess.run([sys.executable, '-c', GRADE_07_AND_REPORT_MEMORY, str(folder)], capture_output=True,
+                             text=True, timeout=900, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        said, mib = out.stdout.strip().rsplit(' | ', 1)
+        return said, int(mib)
+    said, small = graded(1_000)                                          # the control: read and graded
+    assert said == '0.0 points'
+    said, big = graded(1_500_000)
+    assert 'more than 120,000 tokens' in said and '07e_sweep.ipynb' in said
+    assert big - small < 100, (small, big)                               # MiB
+
+
 FLOOD_OUTPUT = '''
 import os as _os
 _chunk = b'x' * (1 << 20)
@@ -213,7 +243,22 @@ def log_softmax_forward(x, axis=-1):
 '''
 
 
-@pytest.mark.parametrize('copy_of_helper', [RENAMED_COPY, HIDDEN_COPY], ids=['renamed', 'in_a_class_in_an_if'])
+PADDED_COPY = '''
+def _my_softmax(self, axis=-1):
+    shifted = np.exp(self.data - self.data.max(axis=axis, keepdims=True))
+    pass
+    unused = [axis] * 2
+    s = shifted / shifted.sum(axis=axis, keepdims=True)
+    if unused: pass
+    return Tensor.from_op(s, (self,), lambda g: (s * (g - (g * s).sum(axis=axis, keepdims=True)),), 'softmax', axis=axis)
+
+def log_softmax_forward(x, axis=-1):
+    return np.log(_my_softmax(Tensor(x), axis).data)
+'''
+
+
+@pytest.mark.parametrize('copy_of_helper', [RENAMED_COPY, HIDDEN_COPY, PADDED_COPY],
+                         ids=['renamed', 'in_a_class_in_an_if', 'with_lines_that_do_nothing'])
 def test_a_copy_of_a_helper_set_aside_is_set_aside_too(tmp_path, monkeypatch, copy_of_helper):
     "The module's softmax answers `log_softmax_forward`: a renamed copy of it, or one hidden in a class inside an `if`, is stubbed as well."
     from tinycomp.course import runner
@@ -267,3 +312,13 @@ def test_cgroups_of_a_killed_grader_are_removed_by_the_next_one(tree_limit, monk
     fresh = sandbox.TreeLimit.create(64 << 20)
     try: assert not any(d.exists() for d in stale.dirs) and all(d.exists() for d in fresh.dirs)   # a live one stays
     finally: fresh.close()
+
+
+def test_a_diagnosis_shows_only_the_inputs_the_learners_code_was_given(tmp_path):
+    "largest_batch's oracle keeps the model and the step to itself; the report does not show them either."
+    spec = get_spec('03')
+    r = grade_notebook(spec, with_export_cell(tmp_path, '03', 'largest_batch = lambda memory_of, budget, max_batch=4096: 1'),
+                       prepared=prepare_checks(spec, 5), sandbox=False)
+    cases = [c for e in r.exercises if e.name == 'largest_batch' for c in e.cases]
+    assert cases and all(set(c.inputs) == {'budgets', 'max_batch'} for c in cases), [c.inputs for c in cases]
+    assert all(c.status != 'pass' for c in cases)

@@ -119,9 +119,9 @@ def _run_pareto(ns, i):
     return {'front': arr(front), 'inputs_untouched': np.array(int(np.array_equal(P, i['points'])))}
 
 def _knee_front(rng):
-    "Goodness coordinates (u, v) of a front whose knee (row 2, copied in row 3) has a margin; then the other points."
+    "Goodness coordinates (u, v) of a front whose knee (row 2) has a margin; then the other points."
     knee = rng.uniform(0.6, 0.75, 2)
-    pts = [(1.0, 0.0), (0.0, 1.0), tuple(knee), tuple(knee)]
+    pts = [(1.0, 0.0), (0.0, 1.0), tuple(knee)]
     c = float(rng.uniform(0.95, 1.1))
     for u in rng.uniform(0.78, 0.94, int(rng.integers(1, 4))): pts.append((u, c - u))     # right of the knee
     for v in rng.uniform(0.78, 0.94, int(rng.integers(1, 4))): pts.append((c - v, v))     # above the knee
@@ -146,17 +146,13 @@ def _knee_inputs(kind):
         mx = np.array([bool(v) for v in rng.integers(0, 2, k)])
         cols = rng.permutation(k)
         P = _to_raw(rng, G[:, cols], mx)
-        order = rng.permutation(len(P))
-        pos = np.argsort(order)                                  # pos[r]: where row r of P ends up
-        front_pos = pos[:len(F)]
-        if min(pos[2], pos[3]) == front_pos.min():               # keep the knee off the lowest front index
-            other = 4 + int(np.argmin(pos[4:len(F)]))
-            a, b = (2, other) if pos[2] < pos[3] else (3, other)
-            order[pos[a]], order[pos[b]] = order[pos[b]], order[pos[a]]
-        # decoys: the knee is not the only row that appears twice. A copy of a dominated row comes first and a copy
-        # of another front row last, so "the duplicated row" (first or last) is never the knee.
-        dominated_row, front_row = len(F) + int(rng.integers(0, len(G) - len(F))), 4 + int(rng.integers(0, len(F) - 4))
-        return {'points': np.vstack([P[dominated_row], P[order], P[front_row]]), 'maximize': mx}
+        # every row twice, so that "the duplicated row" says nothing; the knee's two copies go to random places after
+        # the first front row and away from both ends (no layout names them), and the answer is the lower of the two
+        others = [r for r in rng.permutation(2 * len(P)) if r % len(P) != 2]
+        first_front = next(k for k, r in enumerate(others) if r % len(P) < len(F))
+        at = np.sort(rng.choice(np.arange(max(first_front + 1, 2), len(others) - 1), 2, replace=False))
+        order = others[:at[0]] + [2] + others[at[0]:at[1]] + [2 + len(P)] + others[at[1]:]
+        return {'points': np.vstack([P, P])[order], 'maximize': mx}
     return make
 
 def _run_knee(ns, i):

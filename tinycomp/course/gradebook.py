@@ -103,15 +103,16 @@ def learners(directory: Path, spec: ModuleSpec) -> list:
     """`(learner, notebooks, problem)` for every entry of `directory`: a notebook `NAME.ipynb` or a folder `NAME/`.
     Only regular files inside the folder count: a link (to a classmate's notebook, a solution, a device) or a device is
     refused with the reason, as is a folder too deep or too big to be a submission, and so are two notebooks for one part of the module (a backup beside the notebook). Two
-    entries with one name are an error naming both."""
+    entries with one name get one row that names both, and neither is graded."""
     part, out, seen = part_pattern(spec), [], {}
     for p in sorted(Path(directory).iterdir()):
         if p.name.startswith('.'): continue
         who = p.stem if is_notebook(p) and not p.is_dir() else p.name
         if not is_notebook(p) and not p.is_dir() and not p.is_symlink(): continue      # a stray file (see stray_entries)
-        if who in seen:
-            raise GradingError(f"two submissions for learner {who!r}: {seen[who]} and {p}; keep one (a learner hands in "
-                               "a notebook NAME.ipynb or a folder NAME/)")
+        if who in seen:                                   # graded as neither: the row says why, the others go on
+            out = [e for e in out if e[0] != who]
+            out.append((who, [], f"two submissions for learner {who!r}: {seen[who].name} and {p.name}; keep one (a learner "
+                        "hands in a notebook NAME.ipynb or a folder NAME/)")); continue
         seen[who] = p
         if p.is_symlink():
             out.append((who, [], f"{p.name} is a symbolic link: hand in the notebook itself, not a link to one")); continue
@@ -137,7 +138,9 @@ _TEXT_COLUMNS = ('learner', 'errors', 'notebook')
 _QUOTED = tuple("=+-@\t\r'")          # how a formula starts, and the quote itself (so that reading back is exact)
 
 def _to_cell(text: str) -> str:
-    "Text a spreadsheet shows as text: a cell starting like a formula (`=`, `+`, `-`, `@`) gets a leading `'`."
+    """Text a spreadsheet shows as text: a cell starting like a formula (`=`, `+`, `-`, `@`) gets a leading `'`; control
+    characters (a terminal's escape codes in a learner's error message) are written as `\\xNN`, never raw."""
+    text = ''.join(c if c.isprintable() else c.encode('unicode_escape').decode('ascii') for c in text)
     return "'" + text if text.startswith(_QUOTED) else text
 
 def _from_cell(text: str) -> str: return text[1:] if text.startswith("'") else text

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GradingError
-from .notebooks import exported_code, locate, part_name, read_notebook
+from .notebooks import TOO_LONG, exported_code, locate, part_name, read_notebook, too_long
 from .refs import Job, prepare_checks
 from .runner import DEFAULT_MEM_LIMIT, IMPORT_TIMEOUT, run_jobs
 from .sandbox import remove_stale_scratch, remove_tree, scratch_prefix
@@ -209,13 +209,14 @@ def _case_result(j, r, line_map) -> CaseResult:
     elif r['status'] == 'error' and r.get('type') == 'NotImplementedError' and 'Exercise' in r.get('message', ''):
         status, msg = 'todo', 'not done yet' + where(r, line_map, code=False)
     else: status, msg = r['status'], _case_message(r, j.check.exercise, line_map)
-    return CaseResult(j.check.name, j.case, status, msg, _describe_inputs(j.inputs))
+    return CaseResult(j.check.name, j.case, status, msg, _describe_inputs(j.check.visible(j.inputs)))   # what the learner's code was given
 
 def _learner_code(spec, notebooks):
     "`(paths, code, line_map)` of the learner's notebooks for module `spec`."
     paths = learner_paths(spec, notebooks)
     code, line_map = exported_code([(part_name(p), read_notebook(p)) for p in paths], own=spec.reference,
                                    where=', '.join(map(str, paths)))
+    if too_long(code): raise GradingError(f"{', '.join(p.name for p in paths)}: {TOO_LONG}")
     return paths, code, line_map
 
 def _run(spec, code, jobs, spec_ref, **kw) -> dict:

@@ -37,20 +37,38 @@ def _body(stmts) -> list:
             and isinstance(stmts[0].value.value, str): return stmts[1:]
     return list(stmts)
 
+_BLOCKS = ('body', 'orelse', 'finalbody', 'handlers', 'cases')
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+def _flat(stmts):
+    """The statements of a body in reading order, the blocks inside them (a loop's body, an `if`'s branches, ...) read
+    in turn, each statement with its blocks emptied; functions and classes defined inside are left out (they are
+    looked at on their own)."""
+    for s in stmts:
+        if isinstance(s, _DEFINITIONS): continue
+        head = copy.copy(s)
+        for field in _BLOCKS:
+            if isinstance(getattr(s, field, None), list): setattr(head, field, [])
+        yield head
+        for field in _BLOCKS:
+            for part in getattr(s, field, None) or []:        # statements, or handlers and cases that hold some
+                yield from _flat([part] if isinstance(part, ast.stmt) else part.body)
+
+def _print(stmt) -> str:
+    "One statement as `ast.dump` prints it with its names anonymised."
+    return ast.dump(_Anonymise().visit(copy.deepcopy(stmt)), annotate_fields=False, include_attributes=False)
+
 def fingerprint(stmts):
-    """What a run of statements computes, whatever its names, docstring or decorators are (`None` when it is too small
-    to tell a copy from one's own code): two runs with the same fingerprint are the same code, renamed."""
-    stmts = _body(stmts)
+    """What a body computes, whatever its names, docstring or decorators are, as the prints of its statements in
+    reading order (`None` when it is too small to tell a copy from one's own code): code holds a copy of a body when
+    its own prints hold these, in order, whatever was inserted between them (a `pass`, a line that does nothing)."""
+    stmts = [s for s in _flat(_body(stmts)) if not isinstance(s, ast.Pass)]
     if not stmts or sum(1 for s in stmts for _ in ast.walk(s)) < MIN_NODES: return None
-    tree = _Anonymise().visit(ast.Module(body=copy.deepcopy(stmts), type_ignores=[]))
-    return ast.dump(tree, annotate_fields=False, include_attributes=False)
+    return tuple(_print(s) for s in stmts)
 
 # %% ../../nbs/98l_provided.ipynb #fd6f53d0
-def _kinds(stmts) -> tuple: return tuple(type(s).__name__ for s in stmts)
-
 def provided_bodies(spec: ModuleSpec, names) -> dict:
-    """`{statement kinds: {fingerprint: name}}` of the bodies of the top-level functions `names` of the module's reference
-    files (the helpers set aside); the kinds (`('Assign', 'For', 'Return')`) find the candidates quickly."""
+    "`{name: fingerprint}` of the bodies of the top-level functions and methods `names` of the module's reference files."
     out = {}
     for m in spec.reference:
         s = importlib.util.find_spec(m)
@@ -58,7 +76,7 @@ def provided_bodies(spec: ModuleSpec, names) -> dict:
         for name, node in _named_functions(ast.parse(Path(s.origin).read_text(encoding='utf-8'))):
             if name in names:
                 fp = fingerprint(node.body)
-                if fp is not None: out.setdefault(_kinds(_body(node.body)), {})[fp] = name
+                if fp is not None: out[name] = fp
     return out
 
 def _named_functions(tree):
@@ -70,29 +88,15 @@ def _named_functions(tree):
             yield from ((f"{node.name}.{n.name}", n) for n in node.body if isinstance(n, functions))
 
 # %% ../../nbs/98l_provided.ipynb #16328f46
-def _statement_lists(node):
-    "The statement lists inside function `node` that belong to it (not to the functions defined inside it)."
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        for field in ('body', 'orelse', 'finalbody'):
-            stmts = getattr(n, field, None)
-            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
-                yield stmts
-                todo += [s for s in stmts if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-        todo += getattr(n, 'handlers', []) + [c for c in getattr(n, 'cases', [])]
+def _holds(prints, body) -> bool:
+    "Whether `prints` hold the prints of `body` in order, whatever lies between them."
+    rest = iter(prints)
+    return all(p in rest for p in body)
 
 def _copied(node, bodies) -> str:
-    "The helper whose body function `node` holds (whole, or as a run of its statements), or ''."
-    for stmts in _statement_lists(node):
-        kinds = _kinds(stmts)
-        for want, prints in bodies.items():
-            k = len(want)
-            for i in range(len(stmts) - k + 1):
-                if kinds[i:i + k] == want:
-                    name = prints.get(fingerprint(stmts[i:i + k]))
-                    if name: return name
-    return ''
+    "The helper a copy of whose body function `node` holds (whole, pasted among its own lines, or with lines added), or ''."
+    prints = [_print(s) for s in _flat(node.body)]
+    return next((name for name, body in bodies.items() if _holds(prints, body)), '')
 
 def set_aside(code: str, names, exercise: str, bodies=None) -> str:
     """The learner's `code` with helpers a module provides that would answer `exercise` (a fast version of the naive
