@@ -14,7 +14,7 @@ from tinycomp.batchnorm import BatchNorm2d
 from tinycomp.conv import Conv2d
 from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.data import DataLoader, load_digits
-from tinycomp.errors import ModelFileError, TinycompError
+from tinycomp.errors import ModelFileError, TinycompError, TinycompWarning
 from tinycomp.models import evaluate, fit, load_pretrained
 from tinycomp.nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
 from tinycomp.optim import Adam
@@ -146,24 +146,31 @@ def test_calibration_errors(cnn, digits):
     assert float(q[0].scale) == 1.0 and np.isfinite(q(Tensor(digits['calib'][:3])).data).all()
 
 
-@pytest.mark.parametrize('layer, match', [(Sigmoid(), r"'1' \(Sigmoid"), (Tanh(), r"'1' \(Tanh"),
-                                          (AvgPool2d(2, padding=1), "padding is not supported"),
-                                          (MaxPool2d(2, dilation=2), "dilation"),
-                                          (BatchNorm2d(3), "folded into a Conv2d directly before it")])
-def test_unsupported_layers(layer, match, digits):
-    m = Sequential(Conv2d(1, 3, 3, padding=1), layer, Flatten())
-    if isinstance(layer, BatchNorm2d): m = Sequential(Conv2d(1, 3, 3, padding=1), ReLU(), layer, Flatten())
-    with pytest.raises(TinycompError, match=match) as e: Q.quantize_static(m, digits['calib'])
-    assert 'supports: Conv2d' in str(e.value)
+@pytest.mark.parametrize('layer, why', [(Sigmoid(), r"'1' \(Sigmoid\) stays float32: its layer type has no integer version"),
+                                        (Tanh(), r"'1' \(Tanh\) stays float32"),
+                                        (AvgPool2d(2, padding=1), "the integer average pool has no padding"),
+                                        (MaxPool2d(2, dilation=2), "dilation"),
+                                        (BatchNorm2d(3), "folded only into a Conv2d directly before it")])
+def test_a_layer_without_an_integer_version_stays_float_with_a_warning(layer, why, digits):
+    first = [Conv2d(1, 3, 3, padding=1)] + ([ReLU()] if isinstance(layer, BatchNorm2d) else [])   # a BN after a ReLU: nothing to fold into
+    m = Sequential(*first, layer, AdaptiveAvgPool2d(2), Flatten(), Linear(12, 2)).eval()
+    with pytest.warns(TinycompWarning, match=why): q = Q.quantize_static(m, digits['calib'])
+    kept = type(layer)
+    assert [type(l).__name__ for l in q].count(kept.__name__) == 1 and 'QuantizedLinear' in [type(l).__name__ for l in q]
+    x = Tensor(digits['calib'][:16])
+    with no_grad(): assert np.abs(q(x).data - m(x).data).max() < 0.1 * np.abs(m(x).data).max() + 0.05
 
 
 def test_custom_layer_and_non_sequential(digits):
     class Custom(Module):
-        def forward(self, x): return x
-    with pytest.raises(TinycompError, match=r"'1' \(Custom"): Q.quantize_static(Sequential(Conv2d(1, 2, 3), Custom()), digits['calib'])
+        def forward(self, x): return x * 2
+    with pytest.warns(TinycompWarning, match=r"'1' \(Custom\) stays float32"):
+        mixed = Q.quantize_static(Sequential(Conv2d(1, 2, 3), Custom(), Conv2d(2, 2, 1)), digits['calib'])
+    assert [type(m).__name__ for m in mixed] == ['QuantStub', 'QuantizedConv2d', 'DeQuantStub', 'Custom', 'QuantStub',
+                                                 'QuantizedConv2d', 'DeQuantStub']
     bare = Q.quantize_static(Conv2d(1, 2, 3), digits['calib'])                 # a lone layer is a chain of one
     assert [type(m).__name__ for m in bare] == ['QuantStub', 'QuantizedConv2d', 'DeQuantStub']
-    with pytest.raises(TinycompError, match="pass fold_bn=True"):
+    with pytest.warns(TinycompWarning, match="fold_bn=True folds it"):
         Q.quantize_static(Sequential(Conv2d(1, 2, 3), BatchNorm2d(2)), digits['calib'], fold_bn=False)
     with pytest.raises(TinycompError, match="nothing to quantize"): Q.quantize_static(Sequential(Flatten()), digits['calib'])
 

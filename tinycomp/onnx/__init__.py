@@ -9,7 +9,7 @@ __all__ = []
 from ..lazy import lazy_attributes
 
 _PARTS = {
-    'export': ('ONNX_EXTRA', 'DEFAULT_OPSET', 'MIN_OPSET', 'QUANTIZED_FORMS', 'INT8_TYPES', 'EXPORTABLE', 'require_onnx',
+    'export': ('ONNX_EXTRA', 'DEFAULT_OPSET', 'MIN_OPSET', 'QUANTIZED_FORMS', 'INT8_TYPES', 'OnnxBuilder', 'require_onnx',
                'layer_shapes', 'to_onnx', 'check_onnx', 'export_onnx'),
     'importer': ('MAX_ONNX_BYTES', 'MAX_TENSOR_ELEMENTS', 'MAX_NODES', 'IMPORTABLE_OPS', 'import_onnx'),
     'runtime': ('ort_session', 'run_onnx', 'ort_agreement', 'agreement_models', 'agreement_table', 'format_agreement',

@@ -6,6 +6,7 @@
 __all__ = ['MAX_ONNX_BYTES', 'MAX_TENSOR_ELEMENTS', 'MAX_NODES', 'IMPORTABLE_OPS', 'import_onnx']
 
 # %% ../../nbs/96b_onnx_import.ipynb #7d3b7fc0
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from ..batchnorm import BatchNorm2d
 from ..conv import Conv2d
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
-from ..nn.modules import Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh, skip_init
+from ..graph import Function, Graph, Node
+from ..nn.modules import Add, Cat, Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh, skip_init
 from .export import require_onnx
 from ..tensor import Tensor, no_grad
 
@@ -136,9 +138,11 @@ def _read_model(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS
     return m, inferred
 
 # %% ../../nbs/96b_onnx_import.ipynb #c35a3161
-IMPORTABLE_OPS = ('Conv', 'Gemm', 'MatMul', 'Add (a bias after MatMul/Gemm/Conv)', 'BatchNormalization', 'MaxPool',
-                  'AveragePool', 'GlobalAveragePool', 'Relu', 'Sigmoid', 'Tanh', 'Flatten', 'Reshape (flattening)',
-                  'Dropout', 'Identity', 'Constant')
+IMPORTABLE_OPS = ('Conv', 'Gemm', 'MatMul', 'Add', 'Sub', 'Mul', 'Div', 'Concat', 'BatchNormalization', 'MaxPool',
+                  'AveragePool', 'GlobalAveragePool', 'Relu', 'Sigmoid', 'Tanh', 'Neg', 'Exp', 'Log', 'Sqrt', 'Abs',
+                  'ReduceSum', 'ReduceMax', 'ReduceMean', 'Softmax', 'LogSoftmax', 'Transpose', 'Flatten',
+                  'Reshape (flattening)', 'Dropout', 'Identity', 'Constant')
+_UNARY_OPS = {'Neg': 'neg', 'Exp': 'exp', 'Log': 'log', 'Sqrt': 'sqrt', 'Abs': 'abs'}
 
 def _attrs(onnx, node):
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -157,12 +161,13 @@ def _no_auto_pad(path, node, attrs):
         raise _fail(path, f"node {node.name!r} ({node.op_type}) uses auto_pad={ap}; export it with explicit pads")
 
 class _Importer:
+    "The nodes of an ONNX graph as the nodes of a tinycomp `Graph` (see `import_onnx`)."
     def __init__(self, onnx, path, m, inferred):
         self.onnx, self.path, self.m = onnx, path, m
         self.consts = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
         self.shapes = {vi.name: _value_dims(vi) for vi in list(inferred.graph.value_info) + list(inferred.graph.input)
                        + list(inferred.graph.output)}
-        self.layers = []
+        self.nodes, self.values, self.readers, self.taken = [], {}, {}, {'input'}
 
     def fail(self, node, what): return _fail(self.path, f"node {node.name!r} ({node.op_type}): {what}")
 
@@ -175,52 +180,88 @@ class _Importer:
         if a.dtype.kind != 'f': raise self.fail(node, f"its {what} must be floating point, got {a.dtype}")
         if ndim is not None and a.ndim != ndim: raise self.fail(node, f"its {what} must be {ndim}-D, got shape {a.shape}")
         if not np.isfinite(a).all(): raise self.fail(node, f"its {what} holds NaN or infinite values")
-        return np.ascontiguousarray(a, np.float32)
+        return np.array(a, np.float32)                   # a copy, C-contiguous, 0-d arrays kept 0-d
 
-    def add_bias(self, node, b):
-        "An Add of a constant after a layer without bias becomes that layer's bias."
-        last = self.layers[-1] if self.layers else None
-        if not isinstance(last, (Linear, Conv2d)) or last.bias is not None:
-            raise self.fail(node, "Add is supported only as the bias of the MatMul/Gemm/Conv right before it")
+    def _name(self, node, suffix='') -> str:
+        "A layer name from the ONNX node's (`/layer1/conv1/Conv` -> `layer1_conv1`), unique in the graph."
+        parts = [p for p in node.name.split('/') if p]
+        if len(parts) > 1 and parts[-1].split('_')[0] == node.op_type: parts = parts[:-1]   # PyTorch ends with the op
+        base = (re.sub(r'\W', '_', '_'.join(parts)).strip('_').lower() or node.op_type.lower()) + suffix
+        if base[0].isdigit(): base = f"n{base}"
+        name, k = base, 0
+        while name in self.taken: k += 1; name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def add(self, node, module, inputs, suffix=''):
+        "A graph node applying `module` to what made the ONNX tensors `inputs`; it makes the node's first output."
+        name = self._name(node, suffix)
+        self.nodes.append(Node(name, module, tuple(self.values[i] for i in inputs), None))
+        self.values[node.output[0]] = name
+
+    def fuse_bias(self, node, x) -> bool:
+        "An Add of a constant right after a bias-free layer read by nothing else becomes that layer's bias."
+        owner = next((n for n in self.nodes if n.name == self.values[x]), None)
+        last = owner.module if owner is not None else None
+        if not isinstance(last, (Linear, Conv2d)) or last.bias is not None or self.readers.get(x, 0) != 1: return False
+        b = self.float_const(node, next(i for i in node.input if i != x), 'bias')
         cout = last.out_features if isinstance(last, Linear) else last.out_channels
         shape = (cout,) if isinstance(last, Linear) else (cout, 1, 1)
-        if b.size != cout or b.reshape(-1).shape != (cout,) or (b.ndim > len(shape) + 1):
-            raise self.fail(node, f"Add of a constant of shape {b.shape} is not a per-channel bias of {cout} channels")
-        if isinstance(last, Conv2d) and b.ndim >= 3 and b.shape[-2:] != (1, 1):
-            raise self.fail(node, f"Add of a constant of shape {b.shape} is not a per-channel bias")
+        if b.size != cout or b.ndim > len(shape) + 1 or (isinstance(last, Conv2d) and b.ndim >= 3 and b.shape[-2:] != (1, 1)):
+            return False                                           # not a per-channel bias: an op of its own
         last.__dict__.pop('bias', None)           # a layer built without bias holds a plain `bias = None` attribute
         last.bias = Parameter(np.ascontiguousarray(b.reshape(-1), np.float32))
+        self.values[node.output[0]] = self.values[x]
+        return True
+
+    def arithmetic(self, node, data):
+        "Add, Sub, Mul, Div: a residual `Add` of two tensors, a bias, or a tensor op between layers."
+        op = node.op_type
+        if op == 'Add' and len(data) == 2: return self.add(node, Add(), data)
+        if op == 'Add' and len(data) == 1 and self.fuse_bias(node, data[0]): return None
+        constants = {k: self.float_const(node, i, f"input {k}") for k, i in enumerate(node.input) if i in self.consts}
+        return self.add(node, Function(op.lower(), constants=constants), data)
 
     def convert(self):
+        "`(nodes, output)`: the graph's nodes and the name of the one that makes its output."
         onnx, g = self.onnx, self.m.graph
         inits = {t.name for t in g.initializer}
-        current = [i for i in g.input if i.name not in inits][0].name
-        used = {}
+        self.values = {[i for i in g.input if i.name not in inits][0].name: 'input'}
         for n in g.node:
-            for i in n.input: used[i] = used.get(i, 0) + 1
-        for o in g.output: used[o.name] = used.get(o.name, 0) + 1
+            for i in n.input: self.readers[i] = self.readers.get(i, 0) + 1
+        for o in g.output: self.readers[o.name] = self.readers.get(o.name, 0) + 1
         for node in g.node:
             attrs = _attrs(onnx, node)
             if node.op_type == 'Constant':
                 if 'value' not in attrs:
                     raise self.fail(node, f"only tensor constants ('value') are supported, got {sorted(attrs)}")
                 self.consts[node.output[0]] = onnx.numpy_helper.to_array(attrs['value']); continue
+            if node.op_type == 'Identity' and node.input[0] in self.consts:      # a constant under another name
+                self.consts[node.output[0]] = self.consts[node.input[0]]; continue
             data = [i for i in node.input if i and i not in self.consts]
-            if not data or node.input[0] != current or len(data) != 1:
-                raise self.fail(node, f"it reads {list(node.input)}; tinycomp imports chains of layers, where each "
-                                f"operator reads the previous one's output ({current!r}) and constants")
+            unknown = [i for i in data if i not in self.values]
+            if unknown: raise self.fail(node, f"it reads {unknown}, which no node before it makes")
+            if not data: raise self.fail(node, "it reads only constants; fold it into a constant before exporting")
             for extra in node.output[1:]:
-                if extra and used.get(extra): raise self.fail(node, f"its extra output {extra!r} is used; not supported")
-            self.node(node, attrs, self.shapes.get(current))
-            current = node.output[0]
-        if current != g.output[0].name:
-            raise _fail(self.path, f"the graph output {g.output[0].name!r} is not the end of the chain of layers ({current!r})")
-        return Sequential(*self.layers)
+                if extra and self.readers.get(extra): raise self.fail(node, f"its extra output {extra!r} is used; not supported")
+            self.node(node, attrs, data)
+        out = g.output[0].name
+        if out not in self.values: raise _fail(self.path, f"the graph output {out!r} is not made by the layers")
+        return self.nodes, self.values[out]
 
-    def node(self, node, attrs, in_shape):
-        op, add = node.op_type, self.layers.append
+    def node(self, node, attrs, data):
+        op = node.op_type
+        if op in ('Add', 'Sub', 'Mul', 'Div'): return self.arithmetic(node, data)
+        if op == 'Concat': return self.add(node, Cat(int(attrs.get('axis', 1))), data)
+        if len(data) != 1: raise self.fail(node, f"it reads {len(data)} tensors ({data}); a {op} reads one and constants")
+        if op in ('Dropout', 'Identity'): self.values[node.output[0]] = self.values[data[0]]; return None
+        in_shape = self.shapes.get(data[0])
         rank = len(in_shape) if in_shape is not None else None
-        if op in ('Dropout', 'Identity'): return
+        add = lambda module: self.add(node, module, data)
+        if op in _UNARY_OPS: return add(Function(_UNARY_OPS[op]))
+        if op in ('ReduceSum', 'ReduceMax', 'ReduceMean'): return self.reduce(node, attrs, data, rank)
+        if op in ('Softmax', 'LogSoftmax'): return add(Function(op.lower().replace('logsoftmax', 'log_softmax'), dict(axis=int(attrs.get('axis', -1)))))
+        if op == 'Transpose': return add(Function('permute', dict(dims=tuple(int(d) for d in attrs['perm']))))
         if op in ('Relu', 'Sigmoid', 'Tanh'): return add({'Relu': ReLU, 'Sigmoid': Sigmoid, 'Tanh': Tanh}[op]())
         if op == 'Conv':
             w = self.float_const(node, node.input[1], 'weight', 4)
@@ -249,7 +290,6 @@ class _Importer:
         if op == 'MatMul':
             B = self.float_const(node, node.input[1], 'weight', 2)
             return add(self._linear(node, np.ascontiguousarray(B.T), None, in_shape))
-        if op == 'Add': return self.add_bias(node, self.float_const(node, node.input[1], 'bias'))
         if op == 'BatchNormalization':
             if attrs.get('training_mode', 0): raise self.fail(node, "training_mode=1 is not an inference graph")
             if rank != 4: raise self.fail(node, f"BatchNormalization of a {rank}-D input; tinycomp has BatchNorm2d only")
@@ -279,7 +319,7 @@ class _Importer:
         if op == 'Flatten':
             axis = int(attrs.get('axis', 1)) % max(rank or 1, 1)
             if axis != 1: raise self.fail(node, f"Flatten with axis={attrs.get('axis')} is not supported (only axis=1)")
-            return None if rank == 2 else add(Flatten(1))
+            return add(Flatten(1))                       # on a 2-D input too: export and import give the same graph
         if op == 'Reshape':
             shape = self.const(node, node.input[1], 'target shape').astype(np.int64).tolist()
             rest = int(np.prod(in_shape[1:])) if in_shape and all(isinstance(v, int) for v in in_shape[1:]) else None
@@ -288,8 +328,26 @@ class _Importer:
                     (shape[1] == -1 and isinstance(in_shape[0], int) and shape[0] == in_shape[0])):
                 raise self.fail(node, f"Reshape to {shape} of an input of shape {in_shape} is not a flatten to (N, {rest}); "
                                 "only flattening reshapes are supported")
-            return None if rank == 2 else add(Flatten(1))
+            if rank == 2: self.values[node.output[0]] = self.values[data[0]]; return None
+            return add(Flatten(1))
         raise self.fail(node, f"operator {op} is not supported; tinycomp imports {', '.join(IMPORTABLE_OPS)}")
+
+    def reduce(self, node, attrs, data, rank):
+        "ReduceSum, ReduceMax, ReduceMean (a sum, then a division by the count) over the axes of an attribute or input."
+        axes = list(attrs['axes']) if 'axes' in attrs else \
+            (self.const(node, node.input[1], 'axes').astype(np.int64).tolist() if len(node.input) > 1 and node.input[1] else None)
+        if axes is None or not axes:
+            if attrs.get('noop_with_empty_axes', 0): raise self.fail(node, "a reduction over no axes (noop_with_empty_axes) is not supported")
+            axes = list(range(rank))
+        keep = bool(attrs.get('keepdims', 1))
+        if node.op_type == 'ReduceMax': return self.add(node, Function('max', dict(axis=tuple(axes), keepdims=keep)), data)
+        self.add(node, Function('sum', dict(axis=tuple(axes), keepdims=keep)), data)
+        if node.op_type == 'ReduceSum': return None
+        shape = self.shapes.get(data[0])
+        if shape is None or not all(isinstance(shape[a], int) for a in axes): raise self.fail(node, "ReduceMean over axes of unknown size")
+        count = int(np.prod([shape[a] for a in axes]))
+        self.values[node.output[0] + ' (sum)'] = self.values.pop(node.output[0])      # the sum, then the division
+        return self.add(node, Function('div', constants={1: np.float32(count)}), [node.output[0] + ' (sum)'], suffix='_mean')
 
     def _linear(self, node, w, b, in_shape):
         if in_shape is None or in_shape[-1] != w.shape[1]:
@@ -300,25 +358,31 @@ class _Importer:
         return lin
 
 # %% ../../nbs/96b_onnx_import.ipynb #a90af68d
-def import_onnx(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS) -> Sequential:
-    """A tinycomp `Sequential` (eval mode) computing the ONNX float model at `path`: a chain of the operators in
-    `IMPORTABLE_OPS`. The file is validated first (size, tensor sizes, external data inside its folder, the checker);
-    anything unsupported or malformed is a TinycompError naming the problem (and the node). The model's `onnx_info`
-    holds the input name and shape and the producer."""
+def import_onnx(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS):
+    """A tinycomp model (eval mode) computing the ONNX float model at `path`, made of the operators in `IMPORTABLE_OPS`:
+    a `Sequential` for a chain, a `tinycomp.graph.Graph` for anything else (residual adds, concatenations, branches).
+    The file is validated first (size, tensor sizes, external data inside its folder, the checker); anything
+    unsupported or malformed is a TinycompError naming the problem (and the node). The model's `onnx_info` holds the
+    input name and shape and the producer."""
     onnx = require_onnx()
     path = Path(path)
     m, inferred = _read_model(path, max_bytes, max_elements)
-    with skip_init(): model = _Importer(onnx, path, m, inferred).convert().eval()   # weights come from the file
+    with skip_init(): nodes, output = _Importer(onnx, path, m, inferred).convert()   # weights come from the file
     inits = {t.name for t in m.graph.initializer}
     vi = [i for i in m.graph.input if i.name not in inits][0]
     in_dims = _value_dims(vi)
+    x = Tensor(np.zeros([1] + in_dims[1:], np.float32))
+    chain = all(n.inputs == ((nodes[k - 1].name if k else 'input'),) for k, n in enumerate(nodes)) and \
+        output == (nodes[-1].name if nodes else 'input')
+    model = (Sequential(*[n.module for n in nodes]) if chain else Graph(nodes, output, 'input', x.shape)).eval()
     out_dims = _value_dims(inferred.graph.output[0])
     try:
-        with no_grad(): y = model(Tensor(np.zeros([1] + in_dims[1:], np.float32)))
+        with no_grad(): y = model(x)
     except Exception as e:
         raise _fail(path, f"the imported layers do not run on the declared input shape {in_dims}: {e}") from None
     if out_dims and any(isinstance(a, int) and a != b for a, b in zip(out_dims[1:], y.shape[1:])):
         raise _fail(path, f"the imported model computes shape {y.shape[1:]} per sample, the file says {out_dims[1:]}")
+    if not chain: model.infer_shapes(x)
     props = {p.key: p.value for p in m.metadata_props}
     object.__setattr__(model, 'onnx_info', dict(input_name=vi.name, input_shape=in_dims, producer=m.producer_name,
                                                 producer_version=m.producer_version, model_name=props.get('model_name', m.graph.name)))

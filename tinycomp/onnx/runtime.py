@@ -20,8 +20,7 @@ import numpy as np
 
 from ..errors import TinycompError
 from ..files import write_json
-from ..nn.modules import Sequential
-from .export import QUANTIZED_FORMS, _leaves, export_onnx, require_onnx
+from .export import QUANTIZED_FORMS, _graph_of, export_onnx, require_onnx
 from ..quantization.layers import DeQuantStub, QuantStub
 from ..tensor import Tensor, no_grad
 
@@ -60,7 +59,8 @@ def ort_agreement(model, path, X, threads=None) -> dict:
     d = np.abs(ours.astype(np.float64) - theirs)
     res = dict(n=int(ours.size), max_abs_err=float(d.max()), rel_err=float(d.max() / max(np.abs(ours).max(), 1e-30)),
                class_agreement=float((ours.argmax(-1) == theirs.argmax(-1)).mean()) if ours.ndim == 2 else None)
-    last = list(_leaves(model))[-1][1] if isinstance(model, Sequential) else None
+    graph = _graph_of(model, (1,) + X.shape[1:])
+    last = graph[graph.output].module                          # the layer that makes the output
     if isinstance(last, DeQuantStub):
         lsb = np.rint(d / float(last.scale)).astype(np.int64)
         res.update(lsb_equal=float((lsb == 0).mean()), lsb_within_1=float((lsb <= 1).mean()), max_lsb=int(lsb.max()))
@@ -90,7 +90,7 @@ def agreement_table(models=None, X=None, threads=None, directory=None) -> list:
     with tempfile.TemporaryDirectory() as d:
         d = Path(directory or d)
         for name, m in models.items():
-            is_int = any(isinstance(l, QuantStub) for _, l in _leaves(m))
+            is_int = any(isinstance(l, QuantStub) for l in m.modules())
             for form in (QUANTIZED_FORMS if is_int else ('float',)):
                 p = export_onnx(m, d / f"{name.replace(' ', '_').replace(',', '').replace('%', 'pc')}_{form}.onnx",
                                 (1,) + X.shape[1:], quantized_form='qdq' if form == 'float' else form, name=name)
