@@ -532,3 +532,24 @@ def test_an_add_that_reads_the_models_input_is_integer_too(digits):
     ops = [(n.op, n.inputs) for n in q]
     assert ops[:3] == [('QuantStub', ('input',)), ('QuantizedConv2d', ('input_quant',)), ('QuantizedAdd', ('input_quant', 'conv'))]
     assert [op for op, _ in ops].count('QuantStub') == 1 and [op for op, _ in ops].count('DeQuantStub') == 1
+
+
+def test_qat_on_a_residual_network_with_a_concatenation(digits):
+    "prepare_qat traces a model with branches into a graph: fake-quantized adds and concatenations; convert plans it again."
+    from graph_models import trained_quantizable
+    from tinycomp.data import DataLoader
+    from tinycomp.graph import Graph
+    from tinycomp.models import fit
+    float_model = trained_quantizable(epochs=2)
+    qat = Q.prepare_qat(float_model, example=digits['calib'][:1])
+    assert isinstance(qat, Graph) and sum(isinstance(n.module, Q.FakeQuantize) for n in qat) == 3     # input, add, cat
+    manual_seed(0)
+    X, y = load_digits('train')
+    fit(qat, DataLoader(X, y, batch_size=64, shuffle=True, seed=0), epochs=1, progress=False)
+    q = Q.convert(qat.eval())
+    ops = [n.op for n in q]
+    assert isinstance(q, Graph) and 'QuantizedAdd' in ops and 'QuantizedCat' in ops and ops.count('QuantStub') == 1
+    Xt, yt = digits['test']
+    with no_grad(): agree = (q(Tensor(Xt)).data.argmax(1) == qat.eval()(Tensor(Xt)).data.argmax(1)).mean()
+    assert agree >= 0.98, agree
+    with pytest.raises(TinycompError, match="pass an example input"): Q.prepare_qat(float_model)

@@ -60,7 +60,7 @@ class QuantizationPlan:
     the op it becomes (`new`), joins the op before it (a folded BatchNorm, a fused ReLU: `join`), or stays float32 with
     the reason (`keep_float`)."""
     def __init__(self, steps, output, fold_bn=True):
-        self.fold_bn, self.ops, self.op_of, self.users = fold_bn, [], {'input': -1}, {}
+        self.fold_bn, self.ops, self.op_of, self.users, self.input_qparams = fold_bn, [], {'input': -1}, {}, None
         for _, _, inputs in steps:
             for i in inputs: self.users[i] = self.users.get(i, 0) + 1
         self.users[output] = self.users.get(output, 0) + 1
@@ -91,6 +91,9 @@ def quantization_plan(model, fold_bn=True, example=None) -> list:
     input), the last op is the model's output. Each layer type says what it becomes with its `int8_plan` method. A
     Sequential of layers is a chain; another model (a residual network) is traced into a graph on `example`. The
     input model is not modified."""
+    return _planned(model, fold_bn, example).ops
+
+def _planned(model, fold_bn=True, example=None) -> QuantizationPlan:
     steps, output = _steps_of(model, example)
     plan = QuantizationPlan(steps, output, fold_bn)
     for name, m, inputs in steps: m.int8_plan(plan, name, inputs)
@@ -98,7 +101,7 @@ def quantization_plan(model, fold_bn=True, example=None) -> list:
         raise TinycompError("the model has no Conv2d or Linear layer: there is nothing to quantize")
     if plan.op_of[output] != len(plan.ops) - 1:
         raise TinycompError("the model's output is not made by its last layer; quantize a model whose forward ends with its output")
-    return plan.ops
+    return plan
 
 def _run_op(op, *inputs):
     "Run one float op on its input Tensors."
@@ -361,36 +364,57 @@ class _QATWeighted(Module):
         y = conv2d(x, w, self.bias, **self.geometry) if self.kind == 'conv' else linear(as_tensor(x), w, self.bias)
         return self.act(y.relu() if self.relu else y)
 
-def prepare_qat(model, per_channel=True, observer=MovingAverageMinMaxObserver, weight_bits=8, fold_bn=True):
+def _fake_quantize_plan(self, plan, name, inputs):
+    "In a trained QAT model: the range it observed is that of the op whose value it reads (or of the model's input)."
+    i = plan.op_of[inputs[0]]
+    if i < 0: plan.input_qparams = self.qparams()
+    else: plan.ops[i]['qparams'] = self.qparams()
+    plan.op_of[name], plan.users[name] = i, plan.users.get(name, 0) + plan.users[inputs[0]] - 1
+
+def _qat_weighted_plan(self, plan, name, inputs):
+    plan.new(self.kind, self.template, name, inputs, qparams=self.act.qparams(), **({'bn': True} if self.kind == 'conv' else {}))
+    plan.ops[-1]['relu'] = self.relu
+
+FakeQuantize.int8_plan, _QATWeighted.int8_plan = _fake_quantize_plan, _qat_weighted_plan
+
+def prepare_qat(model, per_channel=True, observer=MovingAverageMinMaxObserver, weight_bits=8, fold_bn=True, example=None):
     """A new float model for quantization-aware training: BatchNorm folded, each conv/linear (with its fused ReLU)
-    fake-quantizing its weights (`weight_bits`, per channel) and its output (ranges from `observer`), and the input
-    fake-quantized. Train it with `tinycomp.models.fit`, then `convert` it. `model` is left untouched."""
+    fake-quantizing its weights (`weight_bits`, per channel) and its output (ranges from `observer`), the input
+    fake-quantized, and so is the output of every add, concatenation and layer kept float. Train it with
+    `tinycomp.models.fit`, then `convert` it. A chain comes back as a Sequential; a model with branches (traced on
+    `example`, an input batch) as a `Graph`. `model` is left untouched."""
     _check_model(model)
     _weight_dtype(weight_bits)
-    if not isinstance(model, Sequential):
-        raise TinycompError(f"prepare_qat takes a chain of layers (a Sequential), got a {type(model).__name__}; for a model "
-                            "with branches (a residual network) use quantize_static")
-    ops = quantization_plan(copy.deepcopy(model).eval(), fold_bn)
-    layers = [FakeQuantize(observer)]
-    for op in ops:
-        if op['kind'] in _WEIGHTED: layers.append(_QATWeighted(op['module'], op['kind'], op['relu'], per_channel, weight_bits, observer))
-        else: layers.append(copy.deepcopy(op['module']))
-    qat = Sequential(*layers).train()
+    if example is not None: example = np.asarray(example.data if isinstance(example, Tensor) else example, np.float32)
+    ops = quantization_plan(copy.deepcopy(model).eval(), fold_bn, example=example)
+    nodes, name_of = [Node('input_fq', FakeQuantize(observer), ('input',))], {-1: 'input_fq'}
+    def add(name, module, inputs):
+        nodes.append(Node(name, module, tuple(inputs)))
+        return name
+    for i, op in enumerate(ops):
+        base, inputs = op['names'][0], [name_of[j] for j in op['inputs']]
+        if op['kind'] in _WEIGHTED:
+            name_of[i] = add(base, _QATWeighted(op['module'], op['kind'], op['relu'], per_channel, weight_bits, observer), inputs)
+            continue
+        out = add(base, copy.deepcopy(op['module']), inputs)
+        if op['relu']: out = add(f"{base}_relu", ReLU(), [out])
+        if op['kind'] in ('add', 'cat', 'float'): out = add(f"{base}_fq", FakeQuantize(observer), [out])   # a new range
+        name_of[i] = out
+    chain = all(n.inputs == ((nodes[k - 1].name if k else 'input'),) for k, n in enumerate(nodes))
+    qat = (Sequential(*[n.module for n in nodes]) if chain else
+           Graph(nodes, name_of[len(ops) - 1], 'input', None if example is None else (1,) + example.shape[1:])).train()
     qat.qat_config = dict(per_channel=per_channel, weight_bits=weight_bits)
     return qat
 
 def convert(qat_model):
-    "The integer model of a trained `prepare_qat` model (its weights and observed ranges); `qat_model` is untouched."
-    layers = list(qat_model) if isinstance(qat_model, Sequential) else []
-    if not layers or not isinstance(layers[0], FakeQuantize):
+    """The integer model of a trained `prepare_qat` model (its weights and observed ranges), planned again: the QAT
+    layers say what they become (`int8_plan`), each fake-quantizer giving the range of the value it reads.
+    `qat_model` is untouched."""
+    steps, _ = _steps_of(qat_model) if isinstance(qat_model, (Sequential, Graph)) else ([], None)
+    if not steps or not isinstance(steps[0][1], FakeQuantize):
         raise TinycompError("convert() takes a model made by prepare_qat (and trained with fit)")
-    ops, out_qp = [], {}
-    for m in layers[1:]:
-        if isinstance(m, _QATWeighted):
-            out_qp[len(ops)] = m.act.qparams()
-            ops.append(dict(kind=m.kind, module=m.template, relu=m.relu, names=[f"{len(ops)}"], inputs=[len(ops) - 1]))
-        else:
-            if not callable(getattr(m, 'int8_twin', None)): raise TinycompError(f"convert() cannot handle a {type(m).__name__} in a QAT model")
-            ops.append(dict(kind='same', module=m, relu=False, names=[f"{len(ops)}"], inputs=[len(ops) - 1]))
+    plan = _planned(qat_model, fold_bn=True)
+    out_qp = {i: op['qparams'] for i, op in enumerate(plan.ops) if 'qparams' in op}
     cfg = qat_model.__dict__.get('qat_config', {})
-    return build_quantized(ops, layers[0].qparams(), out_qp, cfg.get('weight_bits', 8), cfg.get('per_channel', True))
+    return build_quantized(plan.ops, plan.input_qparams, out_qp, cfg.get('weight_bits', 8), cfg.get('per_channel', True))
+
