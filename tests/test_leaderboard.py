@@ -568,3 +568,23 @@ def test_a_child_that_dies_without_reporting_fails_fast():
     with pytest.raises(MeasurementFailed, match=r'died \(exit code 3\)'):
         _run_isolated({}, budget=120, target=_die_silently)
     assert time.monotonic() - t0 < 60            # not the whole budget
+
+
+def test_a_residual_network_is_measured_against_the_limits_through_its_graph(tmp_path):
+    "Its adds are counted (FLOPs, no parameters), float and int8 alike; a limit it breaks is refused with the figure."
+    from tinycomp.leaderboard.validation import SubmissionRejected, validate_model_bytes
+    from tinycomp.leaderboard.store import DEFAULT_SETTINGS
+    from tinycomp.models import digits_resnet
+    from tinycomp.profiling.counting import profile_model
+    from tinycomp.quantization import quantize_static
+    from tinycomp.tensor import manual_seed
+    manual_seed(0)
+    X = load_digits('test')[0]
+    float_model = digits_resnet().eval()
+    for model in (float_model, quantize_static(float_model, X[:64])):
+        info = validate_model_bytes(tio.save(model, tmp_path / 'm.npz').read_bytes(), X, 10, dict(DEFAULT_SETTINGS))
+        rows = profile_model(model, X[:1], repeats=1, warmup=0).rows
+        assert info['flops'] == sum(r['flops'] for r in rows) and info['params'] > 70_000
+        assert [r['flops'] > 0 and r['params'] == 0 for r in rows if r['type'] in ('Add', 'QuantizedAdd')] == [True, True]
+    with pytest.raises(SubmissionRejected, match='FLOPs per sample, more than the limit of 1,000'):
+        validate_model_bytes(tio.save(float_model, tmp_path / 'm.npz').read_bytes(), X, 10, dict(DEFAULT_SETTINGS, max_flops=1000))
