@@ -41,15 +41,17 @@ def make_model():
         nn.Linear(32, 10))
 
 
-def main():
+def train_and_export(make, stem, epochs):
+    """Train `make()` briefly on the digits (seed 0, Adam, batch 64), export it to `{stem}.onnx` and record inputs and
+    PyTorch's outputs in `{stem}_io.npz`."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     X, y = load('train')
-    model = make_model()
+    model = make()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
-    for epoch in range(8):                      # a brief training run: the file should be a real, working model
+    for epoch in range(epochs):                 # a brief training run: the file should be a real, working model
         model.train()
         for idx in torch.randperm(len(X), generator=gen).split(64):
             opt.zero_grad()
@@ -61,14 +63,17 @@ def main():
         acc = (model(torch.from_numpy(Xtest)).argmax(1).numpy() == ytest).mean()
         x = torch.from_numpy(Xtest[:N_RECORDED])
         out = model(x).numpy()
-    onnx_path = HERE / 'torch_cnn.onnx'
+    onnx_path = HERE / f'{stem}.onnx'
     torch.onnx.export(model, (x[:1],), str(onnx_path), dynamo=False, input_names=['input'], output_names=['logits'],
                       dynamic_axes={'input': {0: 'batch'}, 'logits': {0: 'batch'}}, opset_version=17,
                       training=torch.onnx.TrainingMode.PRESERVE)   # keep BatchNormalization (EVAL would fold it into the convs)
-    np.savez(HERE / 'torch_cnn_io.npz', inputs=x.numpy(), outputs=out.astype(np.float32), labels=ytest[:N_RECORDED],
+    np.savez(HERE / f'{stem}_io.npz', inputs=x.numpy(), outputs=out.astype(np.float32), labels=ytest[:N_RECORDED],
              test_accuracy=np.float64(acc), torch_version=np.array(torch.__version__))
     print(f"torch {torch.__version__}: test accuracy {acc:.4f}; wrote {onnx_path} ({onnx_path.stat().st_size} bytes) "
-          f"and torch_cnn_io.npz ({N_RECORDED} inputs and PyTorch's outputs)")
+          f"and {stem}_io.npz ({N_RECORDED} inputs and PyTorch's outputs)")
+
+
+def main(): train_and_export(make_model, 'torch_cnn', 8)
 
 
 if __name__ == '__main__':

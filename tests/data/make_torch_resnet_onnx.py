@@ -14,12 +14,11 @@ The digits are read and normalized as in make_torch_onnx.py (the test checks tha
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_torch_onnx import HERE, N_RECORDED, load                      # noqa: E402
+from make_torch_onnx import train_and_export                                # noqa: E402
 
 
 class BasicBlock(nn.Module):
@@ -50,34 +49,7 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(self.post_bn(x)), 1))
 
 
-def main():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    X, y = load('train')
-    model = TinyResNet()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
-    for epoch in range(10):
-        model.train()
-        for idx in torch.randperm(len(X), generator=gen).split(64):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(Xt[idx]), yt[idx]).backward()
-            opt.step()
-    model.eval()
-    Xtest, ytest = load('test')
-    with torch.no_grad():
-        acc = (model(torch.from_numpy(Xtest)).argmax(1).numpy() == ytest).mean()
-        x = torch.from_numpy(Xtest[:N_RECORDED])
-        out = model(x).numpy()
-    onnx_path = HERE / 'torch_resnet.onnx'
-    torch.onnx.export(model, (x[:1],), str(onnx_path), dynamo=False, input_names=['input'], output_names=['logits'],
-                      dynamic_axes={'input': {0: 'batch'}, 'logits': {0: 'batch'}}, opset_version=17,
-                      training=torch.onnx.TrainingMode.PRESERVE)   # keep BatchNormalization (EVAL would fold it into the convs)
-    np.savez(HERE / 'torch_resnet_io.npz', inputs=x.numpy(), outputs=out.astype(np.float32), labels=ytest[:N_RECORDED],
-             test_accuracy=np.float64(acc), torch_version=np.array(torch.__version__))
-    print(f"torch {torch.__version__}: test accuracy {acc:.4f}; wrote {onnx_path} ({onnx_path.stat().st_size} bytes) "
-          f"and torch_resnet_io.npz ({N_RECORDED} inputs and PyTorch's outputs)")
+def main(): train_and_export(TinyResNet, 'torch_resnet', 10)
 
 
 if __name__ == '__main__':
