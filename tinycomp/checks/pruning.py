@@ -127,17 +127,18 @@ def _groups_model(i):
     return Concat() if int(i['kind']) else Residual()
 
 def _run_groups(ns, i):
-    "The learner's labels, renumbered in the order the values meet them, one array for all channels."
+    """The learner's labels of every value, renumbered: groups numbered 0, 1, 2, ... in the order the values (input
+    first, then the nodes in order) meet them, so that any numbering of the same grouping gives the same arrays."""
     from tinycomp.graph import trace
     graph = trace(_groups_model(i).eval(), np.zeros((1, 1, 2, 2), np.float32))
     labels = ns.channel_groups(graph)
     if not isinstance(labels, dict): raise TypeError(f"channel_groups returned a {type(labels).__name__}, not a dict")
-    names, out, number = [graph.input_name] + list(graph.nodes), [], {}
-    for name in names:
+    out, number = {}, {}
+    for name in [graph.input_name] + list(graph.nodes):
         if name not in labels: raise KeyError(f"channel_groups returned no labels for the value {name!r}")
-        a = np.asarray(labels[name]).reshape(-1)
-        out += [number.setdefault(int(v), len(number)) for v in a.tolist()]
-    return {'labels': np.array(out, np.int64)}
+        out[f"group of each channel of {name!r}"] = np.array([number.setdefault(int(v), len(number))
+                                                               for v in np.asarray(labels[name]).reshape(-1).tolist()], np.int64)
+    return out
 
 # %% ../../nbs/checks/05_pruning.ipynb #f4d5a3bd
 def _sparse(rng, m, k, density):

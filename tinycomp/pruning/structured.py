@@ -284,14 +284,14 @@ def channel_groups(graph) -> dict:
     TODO: keep a union-find over the pairs (value name, channel index). Go through the nodes in order and join what
     each node's flow, `flows[node.name]`, couples (the table above):
     - 'same': output channel c with channel c of each input;
-    - ('repeat', m): output channels c*m ... c*m + m - 1 with input channel c;
+    - ('repeat', m): output channels c*m ... c*m + m - 1 with input channel c (a depthwise conv's multiplier, a Flatten);
     - 'concat': the output's channels are the inputs' channels one input after another;
     - 'mix' and None couple nothing.
     Then give every channel the label of its group: any integers, equal within a group and different across groups.
     APPROACH: `parent` maps a pair to another pair of its group; `find` follows it to the group's root; `union` makes
     one root point at the other. The labels can number the roots in the order you meet them.
-    HINTS: `shapes[name]` is the shape of a value, `_channels(shape)` its number of channels. An add reads two inputs;
-    a concatenation's second input starts where the first one ends."""
+    HINTS: `shapes[name]` is the shape of a value, `_channels(shape)` its number of channels; the graph's input is
+    `graph.input_name`, a node's inputs `node.inputs`."""
     shapes, flows = value_shapes(graph), channel_flows(graph)
     ### BEGIN SOLUTION
     parent = {}
