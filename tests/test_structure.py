@@ -119,3 +119,16 @@ def test_nothing_internal_in_what_learners_and_instructors_read():
 def test_the_internal_reference_pattern_finds_what_it_should(text):
     assert INTERNAL.search(text)
     assert not INTERNAL.search('text-anchor="middle"') and not INTERNAL.search('an issue with the input')
+
+
+@pytest.mark.parametrize('namespace', ['nn', 'nn.functional', 'profiling', 'pruning', 'quantization', 'benchmarking', 'onnx',
+                                       'leaderboard'])
+def test_every_name_a_namespace_lists_exists(namespace):
+    "A name renamed or removed in a part is not left behind in the namespace that re-exports it."
+    import importlib
+    ns = importlib.import_module(f"tinycomp.{namespace}")
+    missing = []
+    for name in dir(ns):
+        try: getattr(ns, name)
+        except AttributeError: missing.append(name)
+    assert not missing, f"tinycomp.{namespace} lists names its parts no longer define: {missing}"
