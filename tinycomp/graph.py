@@ -12,11 +12,11 @@ import numpy as np
 from . import tensor as _tensor
 from .errors import TinycompError
 from .files import register_layer
-from .nn.modules import Add, Cat, Flatten, Module, Parameter, ReLU, Sigmoid, Tanh, parameter_counts
+from .nn.modules import Add, Cat, Flatten, Module, Parameter, ReLU, Sequential, Sigmoid, Tanh, parameter_counts
 from .tensor import Tensor, as_tensor, cat, no_grad, stack
 
 # %% auto #0
-__all__ = ['GraphError', 'Function', 'is_leaf', 'Node', 'Scope', 'Graph', 'trace']
+__all__ = ['GraphError', 'Function', 'is_leaf', 'Node', 'Scope', 'Graph', 'chain_or_graph', 'trace']
 
 # %% ../nbs/90c_graph.ipynb #15f5aac6
 class GraphError(TinycompError, ValueError):
@@ -305,6 +305,13 @@ def _checked_rows(rows) -> list:
     bad = next((r for r in rows if not ok(r)), None) if isinstance(rows, list) else rows
     if bad is not None: raise GraphError(f"a graph node must be [name, layer, [inputs], [shape], dtype], got {bad!r}")
     return rows
+
+# %% ../nbs/90c_graph.ipynb #78103ea6
+def chain_or_graph(nodes, output, example_shape=None) -> Module:
+    "A `Sequential` of the nodes' layers when each node reads the one before it (the first the input) and the last is `output`, else a `Graph`."
+    chain = all(n.inputs == ((nodes[k - 1].name if k else 'input'),) for k, n in enumerate(nodes))
+    if chain and output == (nodes[-1].name if nodes else 'input'): return Sequential(*[n.module for n in nodes])
+    return Graph(nodes, output, 'input', example_shape)
 
 # %% ../nbs/90c_graph.ipynb #4c9134c8
 _READS = {'item': '.item()', 'numpy': '.numpy()', 'tolist': '.tolist()', 'argmax': '.argmax()', '__bool__': 'an if or a while',

@@ -15,8 +15,8 @@ from ..batchnorm import BatchNorm2d
 from ..conv import Conv2d
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
-from ..graph import Function, Graph, Node
-from ..nn.modules import Add, Cat, Flatten, Linear, Parameter, ReLU, Sequential, Sigmoid, Tanh, skip_init
+from ..graph import Function, Graph, Node, chain_or_graph
+from ..nn.modules import Add, Cat, Flatten, Linear, Parameter, ReLU, Sigmoid, Tanh, skip_init
 from .export import require_onnx
 from ..tensor import Tensor, no_grad
 
@@ -372,9 +372,7 @@ def import_onnx(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS
     vi = [i for i in m.graph.input if i.name not in inits][0]
     in_dims = _value_dims(vi)
     x = Tensor(np.zeros([1] + in_dims[1:], np.float32))
-    chain = all(n.inputs == ((nodes[k - 1].name if k else 'input'),) for k, n in enumerate(nodes)) and \
-        output == (nodes[-1].name if nodes else 'input')
-    model = (Sequential(*[n.module for n in nodes]) if chain else Graph(nodes, output, 'input', x.shape)).eval()
+    model = chain_or_graph(nodes, output, x.shape).eval()
     out_dims = _value_dims(inferred.graph.output[0])
     try:
         with no_grad(): y = model(x)
@@ -382,7 +380,7 @@ def import_onnx(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS
         raise _fail(path, f"the imported layers do not run on the declared input shape {in_dims}: {e}") from None
     if out_dims and any(isinstance(a, int) and a != b for a, b in zip(out_dims[1:], y.shape[1:])):
         raise _fail(path, f"the imported model computes shape {y.shape[1:]} per sample, the file says {out_dims[1:]}")
-    if not chain: model.infer_shapes(x)
+    if isinstance(model, Graph): model.infer_shapes(x)
     props = {p.key: p.value for p in m.metadata_props}
     object.__setattr__(model, 'onnx_info', dict(input_name=vi.name, input_shape=in_dims, producer=m.producer_name,
                                                 producer_version=m.producer_version, model_name=props.get('model_name', m.graph.name)))

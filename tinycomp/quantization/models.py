@@ -18,7 +18,7 @@ from ..conv import Conv2d, _pair, conv2d
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError, TinycompWarning
 from ..nn.functional import linear
-from ..graph import Graph, Node, is_leaf, trace
+from ..graph import Graph, Node, chain_or_graph, is_leaf, trace
 from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, Module, ReLU, Sequential
 from ..tensor import Tensor, as_tensor, no_grad
 from .core import fake_quantize, fold_batchnorm
@@ -277,9 +277,7 @@ def build_quantized(ops, input_qparams, output_qparams, bits=8, per_channel=True
             layers = [op['module'].int8_twin(qp[src])] if is_int[src] else _float_layers(op)
         name_of[i] = chain(name, layers, inputs)
     output = value(len(ops) - 1, False)
-    if all(n.inputs == ((nodes[k - 1].name if k else 'input'),) for k, n in enumerate(nodes)):
-        return Sequential(*[n.module for n in nodes]).eval()
-    return Graph(nodes, output).eval()
+    return chain_or_graph(nodes, output).eval()
 
 # %% ../../nbs/04f_quantize_models.ipynb #a7472997
 def _check_model(model):
@@ -400,9 +398,7 @@ def prepare_qat(model, per_channel=True, observer=MovingAverageMinMaxObserver, w
         if op['relu']: out = add(f"{base}_relu", ReLU(), [out])
         if op['kind'] in ('add', 'cat', 'float'): out = add(f"{base}_fq", FakeQuantize(observer), [out])   # a new range
         name_of[i] = out
-    chain = all(n.inputs == ((nodes[k - 1].name if k else 'input'),) for k, n in enumerate(nodes))
-    qat = (Sequential(*[n.module for n in nodes]) if chain else
-           Graph(nodes, name_of[len(ops) - 1], 'input', None if example is None else (1,) + example.shape[1:])).train()
+    qat = chain_or_graph(nodes, name_of[len(ops) - 1], None if example is None else (1,) + example.shape[1:]).train()
     qat.qat_config = dict(per_channel=per_channel, weight_bits=weight_bits)
     return qat
 
