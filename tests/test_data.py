@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from tinycomp import data
-from tinycomp.data import (DATASETS, DIGITS_MEAN, DIGITS_STD, DataLoader, load_cifar10, load_digits,
-                           load_fashion_mnist, load_mnist, read_idx, two_spirals)
+from tinycomp.data import (DATASETS, DIGITS_MEAN, DIGITS_STD, MNIST5K_MEAN, MNIST5K_STD, DataLoader, load_cifar10,
+                           load_digits, load_fashion_mnist, load_mnist, load_mnist5k, load_shipped, load_splits, read_idx,
+                           sample_shape, split_sizes, two_spirals)
 from tinycomp.errors import DataError, ShapeError, TinycompError
 
 
@@ -172,6 +173,89 @@ def test_digits_normalisation_uses_train_statistics():
 def test_digits_bad_split():
     with pytest.raises(TinycompError, match="unknown digits split"):
         load_digits('validation')
+
+
+# ---------------------------------------------------------------- MNIST digits, shipped
+def test_mnist5k_shapes_splits_and_stratification():
+    sizes = {}
+    for split in ('train', 'val', 'test', 'all'):
+        X, y = load_mnist5k(split)
+        assert X.dtype == np.float32 and y.dtype == np.int64 and X.shape == (len(y), 1, 28, 28)
+        assert np.bincount(y, minlength=10).tolist() == [len(y) // 10] * 10     # 500 of each digit, split evenly
+        sizes[split] = len(y)
+    assert sizes == {'train': 3500, 'val': 500, 'test': 1000, 'all': 5000} and split_sizes('mnist5k') == {
+        'train': 3500, 'val': 500, 'test': 1000}
+    raw = [load_mnist5k(s, normalize=False)[0].reshape(-1, 784) for s in ('train', 'val', 'test')]
+    assert np.array_equal(np.sort(np.concatenate(raw), axis=0), np.sort(load_mnist5k('all', normalize=False)[0].reshape(-1, 784), axis=0))
+    assert raw[0].min() == 0 and raw[0].max() == 255
+    with pytest.raises(TinycompError, match="unknown MNIST split"): load_mnist5k('validation')
+
+
+def test_mnist5k_normalisation_uses_train_statistics():
+    raw_tr = load_mnist5k('train', normalize=False)[0].astype(np.float64) / 255
+    assert abs(raw_tr.mean() - MNIST5K_MEAN) < 1e-9 and abs(raw_tr.std() - MNIST5K_STD) < 1e-9
+    raw_te = load_mnist5k('test', normalize=False)[0]
+    np.testing.assert_allclose(load_mnist5k('test')[0], (raw_te / 255 - MNIST5K_MEAN) / MNIST5K_STD, rtol=1e-6, atol=1e-6)
+
+
+def test_shipped_data_by_name():
+    assert sample_shape('digits') == (1, 8, 8) and sample_shape('mnist5k') == (1, 28, 28)
+    for name in ('digits', 'mnist5k'):
+        splits = load_splits(name)
+        assert sorted(splits) == ['test', 'train', 'val']
+        assert np.array_equal(splits['test'][0], load_shipped(name, 'test')[0])
+    with pytest.raises(TinycompError, match="unknown shipped data set 'cifar10'.*digits, mnist5k"): load_shipped('cifar10')
+
+
+def _write_mnist5k(path, images, labels, split):
+    np.savez_compressed(path, images=images, labels=labels, split=split)
+
+
+@pytest.mark.parametrize('damage,message', [
+    (lambda a: a[0].__setitem__((7, 14, 14), a[0][7, 14, 14] ^ 1), 'checksum differs'),   # one pixel changed
+    (lambda a: a[1].__setitem__(3, (a[1][3] + 1) % 10), 'checksum differs'),              # one label changed
+    (lambda a: a.__setitem__(0, a[0][:, :27]), 'unexpected shapes'),
+    (lambda a: a.__setitem__(0, a[0].astype(np.int16)), 'checksum differs'),
+])
+def test_a_damaged_mnist5k_file_is_refused(tmp_path, monkeypatch, damage, message):
+    arrays = [np.array(a) for a in data._mnist5k_arrays()]
+    damage(arrays)
+    bad = tmp_path / 'mnist5k.npz'
+    _write_mnist5k(bad, *arrays)
+    monkeypatch.setattr(data, 'MNIST5K_FILE', bad)
+    data._mnist5k_arrays.cache_clear()
+    try:
+        with pytest.raises(DataError, match=message): load_mnist5k('test')
+    finally:
+        monkeypatch.undo()
+        data._mnist5k_arrays.cache_clear()
+    assert len(load_mnist5k('test')[1]) == 1000                                     # the shipped file again
+
+
+def test_an_unreadable_mnist5k_file_says_reinstall(tmp_path, monkeypatch):
+    bad = tmp_path / 'mnist5k.npz'
+    bad.write_bytes(b'PK\x03\x04 not a zip')
+    monkeypatch.setattr(data, 'MNIST5K_FILE', bad)
+    data._mnist5k_arrays.cache_clear()
+    try:
+        with pytest.raises(DataError, match='cannot read the shipped MNIST file.*Reinstall'): load_mnist5k()
+    finally:
+        monkeypatch.undo()
+        data._mnist5k_arrays.cache_clear()
+
+
+def test_the_script_that_rebuilds_mnist5k_parses_the_csv(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / 'data'))
+    import make_mnist5k
+    rows = [[0] * 783 + [255, 7], [12] * 784 + [3]]
+    raw = gzip.compress('\n'.join(','.join(map(str, r)) for r in rows).encode())
+    images, labels = make_mnist5k.mnist5k_from_csv(raw)
+    assert images.shape == (2, 28, 28) and images.dtype == np.uint8 and images[0, 27, 27] == 255
+    assert labels.tolist() == [7, 3] and labels.dtype == np.uint8
+    assert data.mnist5k_digest(images, labels) == data.mnist5k_digest(images.copy(), labels.astype(np.int64))
+    with pytest.raises(ValueError, match='785 columns'): make_mnist5k.mnist5k_from_csv(gzip.compress(b'1,2,3'))
+    with pytest.raises(ValueError, match='0..255'): make_mnist5k.mnist5k_from_csv(gzip.compress(','.join(['300'] * 785).encode()))
+    assert make_mnist5k.OUT == Path(data.MNIST5K_FILE)                             # it writes the file tinycomp reads
 
 
 # ---------------------------------------------------------------- DataLoader

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from tinycomp.data import DataLoader, load_digits
+from tinycomp.data import DataLoader, load_digits, split_sizes
 from tinycomp.errors import TinycompError
 from tinycomp.nn import parameter_counts
 from tinycomp.models import (MODELS, TRAINING_CONFIGS, add_cli, digits_cnn, digits_cnn_wide,
-                             digits_split_sizes, evaluate, fit, load_pretrained, plot_history, pretrained_info,
+                             evaluate, fit, load_pretrained, plot_history, pretrained_info,
                              pretrained_path, train_command, train_reference)
 from tinycomp.optim import Adam
 from tinycomp.tensor import manual_seed
@@ -84,7 +84,7 @@ def test_validation_history_is_an_eval_mode_evaluation():
 
 def test_shipped_validation_curve_ends_at_173_of_179():
     "The 0.9665 at the end of the shipped curve is 6 of 179 validation images; the same model gets 356/359 on test."
-    assert digits_split_sizes() == {'train': 1259, 'val': 179, 'test': 359}
+    assert split_sizes('digits') == {'train': 1259, 'val': 179, 'test': 359}
     model, info = load_pretrained('digits_cnn'), pretrained_info('digits_cnn')
     val, test = evaluate(model, load_digits('val')), evaluate(model, load_digits('test'))
     assert info['history']['val_acc'][-1] == pytest.approx(val.accuracy) == pytest.approx(173 / 179)
@@ -93,14 +93,14 @@ def test_shipped_validation_curve_ends_at_173_of_179():
 
 def test_plot_says_split_sizes_and_test_accuracy(tmp_path):
     history = pretrained_info('digits_cnn')['history']
-    fig = plot_history(history, 'digits_cnn', tmp_path / 'curve.png', splits=digits_split_sizes(), test_accuracy=356 / 359)
+    fig = plot_history(history, 'digits_cnn', tmp_path / 'curve.png', splits=split_sizes('digits'), test_accuracy=356 / 359)
     texts = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
     texts += [t.get_text() for ax in fig.axes for t in ax.texts]
     joined = ' | '.join(texts)
     assert 'validation (179 images, 1 image = 0.56 %)' in joined and 'train (1259 images' in joined
     assert 'test, final model: 99.16%, 356/359' in joined and '173/179' in joined
     assert (tmp_path / 'curve.png').stat().st_size > 1000
-    plot_history({**history, 'val_acc': [float('nan')] * len(history['epoch'])}, splits=digits_split_sizes())  # no val loader
+    plot_history({**history, 'val_acc': [float('nan')] * len(history['epoch'])}, splits=split_sizes('digits'))  # no val loader
 
 
 # --- tinycomp train ---------------------------------------------------------------------------------------

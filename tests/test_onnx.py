@@ -559,11 +559,19 @@ def test_cli_export_and_import(models, tmp_path, writes_only, capsys):
 
 def test_bench_onnx_command(monkeypatch, tmp_path, capsys):
     from tinycomp.onnx import runtime as tonnx
-    monkeypatch.setattr(tonnx, '_bench_models', lambda: [('digits_cnn', 'float32', load_pretrained('digits_cnn'))])
+    from tinycomp.data import load_shipped
+    from tinycomp.models import model_data
+    asked = []
+    def float_only(names):          # the float rows only, to keep the test short
+        asked.append(list(names))
+        return [(n, 'float32', load_pretrained(n), load_shipped(model_data(n), 'test')[0]) for n in names[:1]]
+    monkeypatch.setattr(tonnx, '_bench_models', float_only)
     path = tmp_path / 'bench.json'
     assert main(['bench', 'onnx', '--repeats', '2', '--threads', '1', '--json', str(path)]) == 0
     out = capsys.readouterr().out
-    assert 'ours/ORT' in out and 'b64 ORT ms' in out
+    assert 'ours/ORT' in out and 'b64 ORT ms' in out and asked == [['digits_cnn', 'digits_cnn_wide']]
+    assert main(['bench', 'onnx', '--repeats', '2', '--threads', '1', '--model', 'ds_cnn', '--model', 'resnet8']) == 0
+    assert asked[-1] == ['ds_cnn', 'resnet8'] and 'ds_cnn' in capsys.readouterr().out     # 28x28 inputs, its own data
     res = json.loads(path.read_text())
     assert res['meta']['ort_intra_op_threads'] == 1 and res['meta']['threads']['numba'] == 1
     lat = res['rows'][0]['latency']

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['MODELS', 'Evaluation', 'TRAINING_CONFIGS', 'PRETRAINED_DIR', 'digits_cnn', 'digits_cnn_wide', 'BasicBlock', 'ResNet',
-           'InvertedResidual', 'MobileNetV2', 'digits_resnet', 'digits_mobilenet', 'evaluate', 'train_epochs', 'fit',
-           'train_reference', 'pretrained_path', 'load_pretrained', 'resolve_model', 'pretrained_info',
-           'save_pretrained', 'digits_split_sizes', 'plot_history', 'train_command', 'add_cli', 'train_benchmark',
-           'add_bench_cli']
+           'InvertedResidual', 'MobileNetV2', 'digits_resnet', 'digits_mobilenet', 'resnet8', 'mobilenet_v2_tiny',
+           'ds_cnn', 'evaluate', 'train_epochs', 'fit', 'model_data', 'add_data_option', 'train_reference',
+           'pretrained_path', 'load_pretrained', 'resolve_model', 'pretrained_info', 'save_pretrained', 'plot_history',
+           'train_command', 'add_cli', 'train_benchmark', 'add_bench_cli']
 
 # %% ../nbs/92_models.ipynb #8775d925
 import json
@@ -23,7 +23,7 @@ import tinycomp
 
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
-from .data import DataLoader, load_digits
+from .data import SHIPPED_DATA, DataLoader, load_digits, load_shipped
 from .errors import TinycompError
 from .files import output_folder, register_layer, write_json
 from .nn.functional import cross_entropy
@@ -51,8 +51,6 @@ def digits_cnn_wide() -> Sequential:
         Flatten(), Dropout(0.25),
         Linear(64 * 4 * 4, 48), ReLU(),
         Linear(48, 10))
-
-MODELS = {'digits_cnn': digits_cnn, 'digits_cnn_wide': digits_cnn_wide}
 
 # %% ../nbs/92_models.ipynb #219c93d7
 @register_layer
@@ -117,7 +115,9 @@ class InvertedResidual(Module):
     def forward(self, x): return x + self.conv(x) if self.residual else self.conv(x)
 
 def _width(channels, width):
-    "`channels` scaled by `width`, rounded to a multiple of 8 (MobileNet's rule), at least 8."
+    """`channels` scaled by `width`, rounded to a multiple of 8 (MobileNet's rule), at least 8; unscaled (`width` 1)
+    it is kept as it is, so that a pruned net's config rebuilds its layers."""
+    if width == 1: return int(channels)
     return max(8, int(channels * width + 4) // 8 * 8)
 
 @register_layer
@@ -151,6 +151,26 @@ def digits_resnet() -> ResNet:
 def digits_mobilenet() -> MobileNetV2:
     "A MobileNetV2-style net for the 8x8 digits: stem 16, inverted residual blocks of 16, 24 (stride 2) and 32 channels, 27k parameters."
     return MobileNetV2()
+
+# %% ../nbs/92_models.ipynb #3aecd1b6
+def resnet8() -> ResNet:
+    "MLPerf Tiny's ResNet-8 for one-channel 28x28 images: stem conv16, basic blocks of 16, 32 and 64 channels, 78k parameters."
+    return ResNet((16, 32, 64))
+
+def mobilenet_v2_tiny(width: float = 0.5) -> MobileNetV2:
+    "A MobileNetV2 for 28x28 images: stem 16, inverted residual blocks of 16, 24, 32 and 64 channels, each scaled by `width`."
+    return MobileNetV2(blocks=((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 2, 2)), stem=16, width=width)
+
+def ds_cnn(channels: int = 64, blocks: int = 4) -> Sequential:
+    "MLPerf Tiny's depthwise-separable CNN adapted to 28x28 images: conv3x3/2, `blocks` x (depthwise 3x3, pointwise 1x1), pool, linear."
+    layers = [Conv2d(1, channels, 3, 2, 1, bias=False), BatchNorm2d(channels), ReLU(), Dropout(0.2)]
+    for _ in range(blocks):
+        layers += [Conv2d(channels, channels, 3, 1, 1, groups=channels, bias=False), BatchNorm2d(channels), ReLU(),
+                   Conv2d(channels, channels, 1, bias=False), BatchNorm2d(channels), ReLU()]
+    return Sequential(*layers, Dropout(0.4), AdaptiveAvgPool2d(1), Flatten(), Linear(channels, 10))
+
+MODELS = {'digits_cnn': digits_cnn, 'digits_cnn_wide': digits_cnn_wide,
+          'resnet8': resnet8, 'mobilenet_v2_tiny': mobilenet_v2_tiny, 'ds_cnn': ds_cnn}
 
 # %% ../nbs/92_models.ipynb #85a65622
 Evaluation = namedtuple('Evaluation', 'loss accuracy')
@@ -225,20 +245,40 @@ def fit(model, train_loader, val_loader=None, epochs=10, optimizer=None, schedul
 
 # %% ../nbs/92_models.ipynb #d3658ee8
 TRAINING_CONFIGS = {
-    'digits_cnn': dict(epochs=15, lr=1e-2, batch_size=64, seed=0),
-    'digits_cnn_wide': dict(epochs=20, lr=3e-3, batch_size=64, seed=0),
+    'digits_cnn': dict(data='digits', epochs=15, lr=1e-2, batch_size=64, seed=0),
+    'digits_cnn_wide': dict(data='digits', epochs=20, lr=3e-3, batch_size=64, seed=0),
+    'resnet8': dict(data='mnist5k', epochs=20, lr=3e-3, batch_size=64, seed=0),
+    'mobilenet_v2_tiny': dict(data='mnist5k', epochs=20, lr=3e-3, batch_size=64, seed=0),
+    'ds_cnn': dict(data='mnist5k', epochs=20, lr=3e-3, batch_size=64, seed=0),
 }
 
+def model_data(model) -> str:
+    """The shipped data set (`'digits'` or `'mnist5k'`) a model takes: a shipped model's name gives its training
+    data, a model file the `data` its metadata records (`save_pretrained` writes it); anything else, the digits."""
+    if isinstance(model, str) and model in MODELS: return TRAINING_CONFIGS[model]['data']
+    if isinstance(model, (str, os.PathLike)) and Path(model).is_file():
+        from tinycomp.io import read_manifest
+        try: data = read_manifest(model)[0]['metadata'].get('data')
+        except TinycompError: data = None
+        if data in SHIPPED_DATA: return data
+    return 'digits'
+
+def add_data_option(parser):
+    "Add `--data digits|mnist5k` to a command that takes a model: the shipped data set, by default the model's own."
+    parser.add_argument('--data', choices=sorted(SHIPPED_DATA), default=None,
+                        help="the shipped data set (default: the one the model takes: mnist5k for resnet8, "
+                             "mobilenet_v2_tiny, ds_cnn and the files trained on it, else digits)")
+
 def train_reference(name, epochs=None, seed=None, progress=True):
-    "Train the reference model `name` from scratch with its training config; return (model, history)."
+    "Train the reference model `name` from scratch with its training config, on its data; return (model, history)."
     if name not in MODELS: raise TinycompError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     if epochs is not None and epochs < 1: raise TinycompError(f"epochs must be at least 1, got {epochs}")
     config = {**TRAINING_CONFIGS[name], **({} if epochs is None else {'epochs': epochs}),
               **({} if seed is None else {'seed': seed})}
     manual_seed(config['seed'])
     model = MODELS[name]()
-    train = DataLoader(*load_digits('train'), batch_size=config['batch_size'], shuffle=True, seed=config['seed'])
-    val = DataLoader(*load_digits('val'), batch_size=256)
+    train = DataLoader(*load_shipped(config['data'], 'train'), batch_size=config['batch_size'], shuffle=True, seed=config['seed'])
+    val = DataLoader(*load_shipped(config['data'], 'val'), batch_size=256)
     opt = Adam(model.parameters(), lr=config['lr'])
     sched = CosineAnnealingLR(opt, T_max=config['epochs'])
     history = fit(model, train, val, config['epochs'], opt, sched, progress=progress)
@@ -289,18 +329,15 @@ def save_pretrained(name, model, history, directory=None) -> Path:
     directory = Path(directory) if directory is not None else PRETRAINED_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.npz"
-    save(model, path)
-    test = evaluate(model, load_digits('test'))
+    data = TRAINING_CONFIGS[name]['data']
+    save(model, path, metadata={'data': data})
+    test = evaluate(model, load_shipped(data, 'test'))
     info = dict(name=name, training_config=TRAINING_CONFIGS[name], parameters=parameter_counts(model).parameters, test_loss=test.loss,
                 test_accuracy=test.accuracy, history=history)
     path.with_suffix('.json').write_text(json.dumps(info, indent=1))
     return path
 
 # %% ../nbs/92_models.ipynb #b106bec2
-def digits_split_sizes() -> dict:
-    "Images per split of the shipped digits data: {'train': 1259, 'val': 179, 'test': 359}."
-    return {s: len(load_digits(s, normalize=False)[1]) for s in ('train', 'val', 'test')}
-
 def plot_history(history, title='', path=None, splits=None, test_accuracy=None):
     """Plot loss and accuracy curves of a `fit` history; save to `path` if given. Returns the figure.
     `splits`: images per split ({'train': n, 'val': n, 'test': n}) for the legend; `test_accuracy`: the final
@@ -337,7 +374,7 @@ def train_command(name, out='tinycomp_train', epochs=None, seed=None, progress=T
     output_folder(out, create=False)
     model, history = train_reference(name, epochs=epochs, seed=seed, progress=progress)
     path = save_pretrained(name, model, history, out)
-    acc = evaluate(model, load_digits('test')).accuracy
+    acc = evaluate(model, load_shipped(TRAINING_CONFIGS[name]['data'], 'test')).accuracy
     print(f"{name}: test accuracy {acc:.2%}; wrote {path}, {path.with_suffix('.json')}")
     if pretrained_path(name).exists() and path.resolve() != pretrained_path(name).resolve() and epochs is None and seed is None:
         shipped = load_pretrained(name).state_dict()
@@ -352,12 +389,12 @@ def _run_train(args) -> int:
 
 def add_cli(subparsers):
     "Register `tinycomp train NAME` on an argparse `subparsers` object."
-    configs = '; '.join(f"{k}: {c['epochs']} epochs, lr {c['lr']}, batch {c['batch_size']}, seed {c['seed']}"
+    configs = '; '.join(f"{k}: {c['data']}, {c['epochs']} epochs, lr {c['lr']}, batch {c['batch_size']}, seed {c['seed']}"
                         for k, c in sorted(TRAINING_CONFIGS.items()))
     p = subparsers.add_parser(
         'train', help='reproduce a pretrained model from scratch with its fixed training config (instructors)',
         description='Train a reference model from scratch with its fixed training config (Adam, cosine schedule) on the '
-                    'digits train split, write NAME.npz and NAME.json into --out, print the test accuracy and, for '
+                    'train split of its data (the digits, or the MNIST digits for resnet8, mobilenet_v2_tiny and ds_cnn), write NAME.npz and NAME.json into --out, print the test accuracy and, for '
                     f'the unchanged config, the largest difference from the shipped weights. Training configs: {configs}.')
     p.add_argument('name', choices=sorted(MODELS), metavar='NAME', help=f"the model to train: {', '.join(sorted(MODELS))}")
     p.add_argument('--out', default='tinycomp_train', metavar='DIR',

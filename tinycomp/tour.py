@@ -11,16 +11,18 @@ import time
 import tinycomp
 from .benchmarking.evaluation import evaluation_report, format_evaluation, plot_critical_failures
 from .benchmarking.harness import predict
-from .benchmarking.compression import compress
+from .benchmarking.compression import data_metadata, compress
 from .benchmarking.stages import DEFAULT_RECIPE, load_recipe
-from .data import load_digits
+from .data import load_splits, split_sizes
 from .errors import TinycompError
 from .files import output_folder, write_json
 from .io import save
-from .models import MODELS, digits_split_sizes, load_pretrained, plot_history, pretrained_info, train_reference
+from .models import MODELS, load_pretrained, model_data, plot_history, pretrained_info, train_reference
 from .profiling.timing import add_measure_options, threads_arg
 
 # %% ../nbs/97a_tour.ipynb #698ac770
+_DATA_NAMES = {'digits': 'digits data (8x8)', 'mnist5k': 'MNIST digits (28x28)'}
+
 def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='digits_cnn_wide', recipe=None,
          rounds=20, verbose=True) -> dict:
     """The main job: the reference CNN `model` (shipped weights, or `retrain`ed), compressed with `recipe` (default:
@@ -33,7 +35,8 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
     output_folder(out)
     say = (lambda *l: print(*l, sep='\n', flush=True)) if verbose else (lambda *l: None)
     started = time.perf_counter()
-    say(f"tinycomp {tinycomp.__version__} tour: {model} on the digits data, latency measured on "
+    data = model_data(model)
+    say(f"tinycomp {tinycomp.__version__} tour: {model} on the {_DATA_NAMES[data]}, latency measured on "
         + (f"{threads} thread{'s' * (threads != 1)}" if threads else "the current thread settings"), '')
     if retrain:
         say(f"1. training {model} from scratch (its fixed training config) ...")
@@ -41,25 +44,26 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
     else:
         say(f"1. {model}, shipped weights (--retrain trains it again)")
         reference, history = load_pretrained(model), pretrained_info(model)['history']
-    test = load_digits('test')
+    splits = load_splits(data)
+    test = splits['test']
     curve = out / 'training_curve.png'
-    plot_history(history, model + (' (retrained)' if retrain else ' (shipped weights)'), curve, splits=digits_split_sizes())
+    plot_history(history, model + (' (retrained)' if retrain else ' (shipped weights)'), curve, splits=split_sizes(data))
     names = ' -> '.join(next(iter(item)) for item in recipe)
     say(f"\n2. compressing it: {names}")
-    final, report = compress(reference, recipe, batch_sizes=(1, 64), progress=progress, rounds=rounds, threads=threads)
+    final, report = compress(reference, recipe, splits, batch_sizes=(1, 64), progress=progress, rounds=rounds, threads=threads)
     say('', report.table())
     base_logits, final_logits = predict(reference, test[0]), predict(final, test[0])
     ev = evaluation_report(base_logits, final_logits, test[1], names=(model, 'compressed'))
     say('\n3. beyond accuracy (compressed against the original, test split)', format_evaluation(ev))
     model_path, report_json, stages_png, failures_png = (out / f'{model}_compressed.npz', out / 'compression_report.json',
                                                           out / 'compression_report.png', out / 'critical_failures.png')
-    save(final, model_path)
+    save(final, model_path, metadata=data_metadata(data))
     write_json(report.to_dict(), report_json)
     report.plot(stages_png)
     plot_critical_failures(test[0], test[1], ev['baseline']['predictions'], ev['candidate']['predictions'],
                            path=failures_png, title=f"{model}: right before compression, wrong after")
     first, last = report.rows[0], report.rows[-1]
-    figures = dict(model=model, retrained=bool(retrain), recipe=recipe, threads=report.environment['threads']['numba'],
+    figures = dict(model=model, data=data, retrained=bool(retrain), recipe=recipe, threads=report.environment['threads']['numba'],
                    original_accuracy=first['accuracy'], accuracy=last['accuracy'], dacc_points=last['dacc_points'],
                    p_value=last['p_value'], original_bytes=first['file_bytes'], file_bytes=last['file_bytes'],
                    compression=last['compression'], speedup={b: last['speedup'][b] for b in (1, 64)},
@@ -87,7 +91,7 @@ def add_cli(subparsers):
     "Register `tinycomp tour` on an argparse `subparsers` object."
     p = subparsers.add_parser(
         'tour', help='the main job: the reference CNN compressed with the default recipe, every stage measured',
-        description='Load the shipped digits_cnn_wide (or train it again with --retrain), compress it with the default '
+        description='Load the shipped digits_cnn_wide (or --model NAME; or train it again with --retrain), compress it with the default '
                     'recipe (prune half the channels, distill from the original, quantize to int8), and measure the '
                     'original and every stage in one interleaved run: accuracy (McNemar against the original), '
                     'parameters, file bytes, latency at batch 1 and 64. Then agreement, calibration and the critical '
@@ -95,7 +99,8 @@ def add_cli(subparsers):
     p.add_argument('--retrain', action='store_true', help='train the model from scratch with its fixed training config instead of loading the shipped weights')
     p.add_argument('--out', default='tinycomp_tour', metavar='DIR', help='folder for the model file, report and plots, created if missing (default: %(default)s)')
     add_measure_options(p, repeats=None, json=False, threads=1)
-    p.add_argument('--model', default='digits_cnn_wide', choices=sorted(MODELS), help='the reference model (default: %(default)s)')
+    p.add_argument('--model', default='digits_cnn_wide', choices=sorted(MODELS),
+                   help='the reference model (default: %(default)s); resnet8, mobilenet_v2_tiny and ds_cnn run on the MNIST digits')
     p.add_argument('--recipe', default=None, metavar='FILE', help='a recipe file (JSON or TOML) instead of the default recipe')
     p.add_argument('--no-progress', action='store_true', help='no progress bars')
     p.set_defaults(func=_run_tour)

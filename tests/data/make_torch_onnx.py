@@ -24,10 +24,16 @@ SPLITS = {'train': 0, 'val': 1, 'test': 2}                         # tinycomp.da
 N_RECORDED = 64
 
 
-def load(split):
-    d = np.load(DIGITS, allow_pickle=False)
+MNIST = HERE.parents[1] / 'tinycomp' / 'data_files' / 'mnist5k.npz'
+MNIST_MEAN, MNIST_STD = 0.13100643971874462, 0.30818075455730587   # tinycomp.data.MNIST5K_MEAN / MNIST5K_STD
+
+
+def load(split, data='digits'):
+    "A split of tinycomp's shipped digits ('digits') or MNIST digits ('mnist5k'), normalized as tinycomp normalizes it."
+    path, scale, mean, std = (DIGITS, 16, DIGITS_MEAN, DIGITS_STD) if data == 'digits' else (MNIST, 255, MNIST_MEAN, MNIST_STD)
+    d = np.load(path, allow_pickle=False)
     keep = d['split'] == SPLITS[split]
-    X = ((d['images'][keep].astype(np.float32)[:, None] / 16 - DIGITS_MEAN) / DIGITS_STD).astype(np.float32)
+    X = ((d['images'][keep].astype(np.float32)[:, None] / scale - mean) / std).astype(np.float32)
     return X, d['labels'][keep].astype(np.int64)
 
 
@@ -41,14 +47,14 @@ def make_model():
         nn.Linear(32, 10))
 
 
-def train_and_export(make, stem, epochs):
-    """Train `make()` briefly on the digits (seed 0, Adam, batch 64), export it to `{stem}.onnx` and record inputs and
+def train_and_export(make, stem, epochs, data='digits', lr=1e-2):
+    """Train `make()` briefly on `data` (seed 0, Adam, batch 64), export it to `{stem}.onnx` and record inputs and
     PyTorch's outputs in `{stem}_io.npz`."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    X, y = load('train')
+    X, y = load('train', data)
     model = make()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
     Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
     for epoch in range(epochs):                 # a brief training run: the file should be a real, working model
@@ -58,7 +64,7 @@ def train_and_export(make, stem, epochs):
             nn.functional.cross_entropy(model(Xt[idx]), yt[idx]).backward()
             opt.step()
     model.eval()
-    Xtest, ytest = load('test')
+    Xtest, ytest = load('test', data)
     with torch.no_grad():
         acc = (model(torch.from_numpy(Xtest)).argmax(1).numpy() == ytest).mean()
         x = torch.from_numpy(Xtest[:N_RECORDED])

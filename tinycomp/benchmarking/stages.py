@@ -22,7 +22,7 @@ from ..errors import TinycompError, ShapeError
 from ..tensor import Tensor, no_grad, manual_seed
 from ..nn import Module
 from ..optim import Adam, CosineAnnealingLR
-from ..data import DataLoader, load_digits
+from ..data import DataLoader, load_splits
 from ..models import fit, resolve_model
 from ..pruning import prune, prune_channels, prune_with_agp, to_sparse, make_permanent
 from ..distillation import distill, cache_teacher_logits
@@ -163,7 +163,7 @@ def _train_loader(ctx, batch_size=64):
 def check_data(model, data=None) -> dict:
     """{'train': (X, y), 'val': (X, y) or absent, 'test': (X, y)} as float32 / int64 arrays, checked against `model`
     (its input shape and its number of outputs). `data=None`: the shipped digits splits."""
-    if data is None: data = {s: load_digits(s) for s in ('train', 'val', 'test')}
+    if data is None: data = load_splits('digits')
     if not isinstance(data, dict):
         raise TinycompError("data must be a dict {'train': (X, y), 'val': (X, y), 'test': (X, y)} ('val' optional), "
                             f"got {type(data).__name__}")

@@ -20,7 +20,8 @@ from ..files import output_folder, write_json, writing_into
 from ..profiling.hardware import format_table
 from .harness import compare, CONVENTIONS
 from .evaluation import pareto_front, knee_point, plot_pareto
-from ..models import resolve_model
+from ..data import load_splits
+from ..models import add_data_option, model_data, resolve_model
 from .stages import check_data, load_recipe
 from .compression import compress, _output_path, _save_figure, _write_outputs
 
@@ -108,7 +109,9 @@ def strategy_sweep(model, data=None, configurations=None, epochs=4, batch_sizes=
                    rounds=20, calls=5, threads=1) -> SweepResult:
     """Build every configuration ({name: recipe}, default `default_configurations(epochs)`) from `model` with
     `compress(..., measure=False)`, measure the original and all of them in ONE `compare`, and mark the Pareto front
-    of (accuracy max, latency at batch 1 min, file bytes min) and its knee."""
+    of (accuracy max, latency at batch 1 min, file bytes min) and its knee. `data` defaults to the splits of the
+    shipped data the model takes (`model_data`)."""
+    if data is None: data = load_splits(model_data(model))
     model = resolve_model(model)
     configurations = default_configurations(epochs) if configurations is None else configurations
     if not isinstance(configurations, dict) or not configurations:
@@ -219,15 +222,17 @@ def example_budgets(original_row) -> dict:
                 dict(max_latency_ms=ms / 2, min_accuracy=max(0.0, acc - 0.005))}
 
 def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path=None, png_path=None,
-                         progress=True, verbose=True, rounds=20, calls=5) -> dict:
+                         progress=True, verbose=True, rounds=20, calls=5, data=None) -> dict:
     """`tinycomp bench strategies`: the default sweep, recommendations for `example_budgets`, and the Pareto plot saved
-    to `png_path` (its folder is created when it is written) and the results to `json_path` when given."""
+    to `png_path` (its folder is created when it is written) and the results to `json_path` when given. `data`: the
+    shipped data set's name (default: the one the model takes)."""
+    data = model_data(model) if data is None else data
     if png_path is not None: png_path = output_folder(Path(png_path).parent, create=False) / Path(png_path).name
     if json_path is not None: json_path = _output_path(json_path, '--json')
-    sweep = strategy_sweep(model, epochs=epochs, progress=progress, rounds=rounds, calls=calls, threads=threads)
+    sweep = strategy_sweep(model, load_splits(data), epochs=epochs, progress=progress, rounds=rounds, calls=calls, threads=threads)
     info = sweep.comparison.result('original').environment['threads']
-    result = dict(benchmark='strategies', model=str(model), epochs=epochs, threads=info, sweep=sweep.to_dict(), budgets={})
-    if verbose: print(f"\n{model}, digits test split, {info['numba']} thread(s); training {epochs} epochs per stage\n{sweep.table()}")
+    result = dict(benchmark='strategies', model=str(model), data=data, epochs=epochs, threads=info, sweep=sweep.to_dict(), budgets={})
+    if verbose: print(f"\n{model}, {data} test split, {info['numba']} thread(s); training {epochs} epochs per stage\n{sweep.table()}")
     for desc, kw in example_budgets(sweep.row('original')).items():
         try:
             rec = recommend(sweep, **kw)
@@ -247,7 +252,7 @@ def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path
 
 def _run_strategies(args) -> int:
     strategies_benchmark(args.model, args.epochs, args.threads, args.json, Path(args.out) / 'strategies_pareto.png',
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, data=args.data)
     return 0
 
 def add_bench_cli(bench_subparsers):
@@ -265,6 +270,7 @@ def add_bench_cli(bench_subparsers):
     p.add_argument('--out', default='tinycomp_bench', metavar='DIR',
                    help='folder for the Pareto plot, strategies_pareto.png, created if missing (default %(default)s)')
     p.add_argument('--model', default='digits_cnn_wide', metavar='NAME|FILE', help='pretrained name or model file (default %(default)s)')
+    add_data_option(p)
     p.add_argument('--epochs', type=positive_int, default=4, metavar='E',
                    help='fine-tuning / AGP epochs per configuration, distillation gets 2E (default %(default)s)')
     p.add_argument('--no-progress', action='store_true', help='no progress bars')

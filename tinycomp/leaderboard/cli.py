@@ -11,7 +11,7 @@ from ..errors import TinycompError
 from ..files import atomic_write
 from .scoring import SCORE_DECIMALS, SCORE_FORMULA
 from .validation import SubmissionRejected
-from .store import DEFAULT_SETTINGS, open_store
+from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store
 from . import submissions  # noqa: F401  (gives Store the methods the commands call)
 from .worker import measure_next, run_worker
 from .page import render_page
@@ -84,14 +84,16 @@ def _run_lb(args) -> int:
     a = args.lb_command
     if a == 'init':
         if (args.task_data is None) != (args.baseline is None):
-            raise TinycompError("--task-data and --baseline go together (or give neither for the digits task)")
+            raise TinycompError("--task-data and --baseline go together (or give neither for a shipped --task)")
         if args.task_data is None and args.name: raise TinycompError("--name needs --task-data")
+        if args.task_data is not None and args.task is not None: raise TinycompError("give --task or --task-data, not both")
         existed = Path(args.db).exists()
         settings = {k: v for k, v in (('rate_per_day', args.rate), ('rounds', args.rounds)) if v is not None}
         try:
             store = open_store(args.db, create=True)
-            info = store.init(None if args.task_data is None else dict(name=args.name, data_npz=args.task_data,
-                                                                       baseline=args.baseline), **settings)
+            task = (dict(shipped=args.task or 'digits') if args.task_data is None else
+                    dict(name=args.name, data_npz=args.task_data, baseline=args.baseline))
+            info = store.init(task, **settings)
         except BaseException:
             if not existed:                                  # leave no half-made database behind
                 with contextlib.suppress(NameError): store.disconnect()
@@ -172,8 +174,11 @@ def add_leaderboard_cli(subparsers):
         return p
     p = action('init', 'create a leaderboard database with its task',
                'Create the leaderboard database and its task: the evaluation set (split once into a public and a '
-               'private half), the baseline model file, and the settings. Default task: the digits test split with '
-               'digits_cnn as the baseline.')
+               'private half), the baseline model file, and the settings. Shipped tasks (--task): digits, the digits '
+               'test split with digits_cnn as the baseline (the default); mnist-resnet8, the MNIST digits test split '
+               '(1,000 images of 28x28) with resnet8.')
+    p.add_argument('--task', choices=sorted(SHIPPED_TASKS), default=None,
+                   help='a shipped task (default digits; or give your own with --task-data and --baseline)')
     p.add_argument('--task-data', metavar='NPZ', help='an .npz with X (inputs) and y (labels); default: the digits test split')
     p.add_argument('--baseline', metavar='FILE', help='the baseline model file (with --task-data); default: digits_cnn')
     p.add_argument('--name', help='the task name (with --task-data)')

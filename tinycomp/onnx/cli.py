@@ -8,17 +8,20 @@ __all__ = ['export_command', 'import_command', 'add_export_cli', 'add_import_cli
 # %% ../../nbs/96d_onnx_cli.ipynb #2d333213
 from pathlib import Path
 
-from ..models import resolve_model
+from ..data import sample_shape
+from ..models import MODELS, model_data, resolve_model
 from ..files import output_folder, writing_into
 from .export import DEFAULT_OPSET, ONNX_EXTRA, QUANTIZED_FORMS, export_onnx, require_onnx
 from .importer import MAX_ONNX_BYTES, import_onnx
-from .runtime import onnx_benchmark
+from .runtime import BENCH_MODELS, onnx_benchmark
 
 # %% ../../nbs/96d_onnx_cli.ipynb #be66af35
-def export_command(model_file, out='tinycomp_export', input_shape='1,1,8,8', form='qdq', opset=DEFAULT_OPSET) -> Path:
-    "`tinycomp export`: write the model in `model_file` (a file or a pretrained name) into the folder `out` as NAME.onnx; prints a summary."
+def export_command(model_file, out='tinycomp_export', input_shape=None, form='qdq', opset=DEFAULT_OPSET) -> Path:
+    """`tinycomp export`: write the model in `model_file` (a file or a pretrained name) into the folder `out` as NAME.onnx;
+    prints a summary. `input_shape` defaults to one image of the shipped data the model takes."""
     out = output_folder(out, create=False)
     model = resolve_model(model_file)
+    if input_shape is None: input_shape = (1,) + sample_shape(model_data(model_file))
     name = Path(model_file).stem
     with writing_into(out): path = export_onnx(model, out / f"{name}.onnx", input_shape, opset, form, name=name)
     m = require_onnx().load(str(path))
@@ -62,8 +65,9 @@ def add_export_cli(subparsers):
     p.add_argument('model', metavar='MODEL_FILE', help='a tinycomp model file (.npz), or digits_cnn / digits_cnn_wide')
     p.add_argument('--out', default='tinycomp_export', metavar='DIR',
                    help='folder for the ONNX file, NAME.onnx, created if missing (default: %(default)s)')
-    p.add_argument('--input-shape', default='1,1,8,8', metavar='N,C,H,W',
-                   help='the input shape the graph is built for (the batch stays symbolic; default %(default)s, the digits)')
+    p.add_argument('--input-shape', default=None, metavar='N,C,H,W',
+                   help="the input shape the graph is built for (the batch stays symbolic; default: one image of the model's "
+                        "data, 1,1,8,8 for the digits, 1,1,28,28 for the MNIST digits)")
     p.add_argument('--form', choices=QUANTIZED_FORMS, default='qdq', help='int8 operators: qdq (default) or qlinear')
     p.add_argument('--opset', type=int, default=DEFAULT_OPSET, help='ONNX opset (default %(default)s)')
     p.set_defaults(func=_run_export)
@@ -88,12 +92,12 @@ def add_import_cli(subparsers):
 
 # %% ../../nbs/96d_onnx_cli.ipynb #69d04d86
 def _run_bench(args):
-    onnx_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats)
+    onnx_benchmark(threads=args.threads, json_path=args.json, repeats=args.repeats, models=args.model or BENCH_MODELS)
     if args.json: print(f"wrote {args.json}")
     return 0
 
 def add_bench_cli(bench_subparsers):
-    "Register `tinycomp bench onnx [--threads N] [--json PATH] [--repeats R]`."
+    "Register `tinycomp bench onnx [--threads N] [--json PATH] [--repeats R] [--model NAME ...]`."
     from tinycomp.profiling.timing import add_measure_options
     p = bench_subparsers.add_parser(
         'onnx', help='our float32 and int8 digits CNNs against ONNX Runtime, batch 1 and 64',
@@ -102,5 +106,8 @@ def add_bench_cli(bench_subparsers):
                     'thread count, at batch 1 and 64, in one run; prints our latency over ORT\'s. Needs the onnx '
                     f'extra: {ONNX_EXTRA}.')
     add_measure_options(p)                          # ONNX Runtime gets the same count (intra-op threads)
+    p.add_argument('--model', action='append', choices=sorted(MODELS), metavar='NAME',
+                   help=f"a shipped model to time (repeat for several; default: {' and '.join(BENCH_MODELS)}); "
+                        f"one of {', '.join(sorted(MODELS))}")
     p.set_defaults(func=_run_bench)
     return p

@@ -415,10 +415,11 @@ def _shape_arg(value) -> tuple:
         raise argparse.ArgumentTypeError(f"must be positive whole numbers separated by commas, like 1,8,8; got {value!r}")
     return shape
 
-def _inputs(shape, batch):
-    if tuple(shape) == (1, 8, 8):
-        from tinycomp.data import load_digits
-        return _tile(load_digits('test')[0], batch)
+def _inputs(shape, batch, data='digits'):
+    "`batch` test images of the shipped data set `data` when `shape` is theirs (or None), else random inputs of `shape`."
+    from tinycomp.data import load_shipped
+    X = load_shipped(data, 'test')[0]
+    if shape is None or tuple(shape) == X.shape[1:]: return _tile(X, batch)
     return _batch_of(shape, batch)
 
 _LAYER_COLUMNS = [('name', 'layer', ''), ('type', 'type', ''), ('flops', 'FLOPs', ',.0f'), ('intensity', 'FLOP/B', '.2f'),
@@ -426,15 +427,16 @@ _LAYER_COLUMNS = [('name', 'layer', ''), ('type', 'type', ''), ('flops', 'FLOPs'
 
 def _run_profile(args) -> int:
     out = output_folder(args.out, create=False)
-    from tinycomp.models import resolve_model
+    from tinycomp.models import model_data, resolve_model
     model = resolve_model(args.model)
+    args.data = model_data(args.model) if args.data is None else args.data
     before = thread_info()
     try: return _profile_command(args, model, out, set_threads(args.threads) if args.threads is not None else before)
     finally:
         if args.threads is not None: set_threads(before['numba'])
 
 def _profile_command(args, model, out, info) -> int:
-    x = _inputs(args.shape, args.batch)
+    x = _inputs(args.shape, args.batch, args.data)
     try:
         with no_grad(): model(Tensor(x[:1]))
     except Exception as e:   # a ShapeError, or any error the model raises on this input
@@ -442,7 +444,7 @@ def _profile_command(args, model, out, info) -> int:
                             "pass the shape of one sample with --shape C,H,W") from None
     prof = profile_model(model, x, repeats=args.repeats)
     roof = machine_roof()
-    hp = build_hardware_profile(model, args.batch, args.shape, x=x, profile=prof, repeats=args.repeats,
+    hp = build_hardware_profile(model, args.batch, tuple(x.shape[1:]), x=x, profile=prof, repeats=args.repeats,
                                 peak=roof['peak_gflops'], bandwidth=roof['bandwidth_gbs'])
     placed = _place(_rows(prof), roof['peak_gflops'], roof['bandwidth_gbs'])
     t = hp['totals']
@@ -485,7 +487,7 @@ def add_cli(subparsers):
                     'Writes operator_profile.csv and hardware_totals.csv (and, when asked, a Chrome trace, a '
                     'roofline plot and a sweep plot) to --out.')
     p.add_argument('model', nargs='?', default='digits_cnn', metavar='MODEL_OR_FILE',
-                   help='a model name (digits_cnn, digits_cnn_wide; pretrained weights) or a file saved by '
+                   help='a model name (digits_cnn, digits_cnn_wide, resnet8, mobilenet_v2_tiny, ds_cnn; pretrained weights) or a file saved by '
                         'tinycomp.io.save (default %(default)s)')
     p.add_argument('--batch', type=positive_int, default=64, metavar='N', help='batch size (default %(default)s)')
     add_measure_options(p, json=False)
@@ -494,7 +496,9 @@ def add_cli(subparsers):
     p.add_argument('--roofline', action='store_true', help='also draw the roofline to roofline.png')
     p.add_argument('--sweep', choices=('batch', 'threads'), default=None,
                    help='also sweep batch sizes (1 to 256) or thread counts (1 to the cores), table and plot')
-    p.add_argument('--shape', type=_shape_arg, default=(1, 8, 8), metavar='C,H,W',
-                   help='shape of one input sample (default 1,8,8: test digits; other shapes get random inputs)')
+    p.add_argument('--shape', type=_shape_arg, default=None, metavar='C,H,W',
+                   help="shape of one input sample (default: the test images of the model's data; other shapes get random inputs)")
+    from tinycomp.models import add_data_option
+    add_data_option(p)
     p.set_defaults(func=_run_profile)
     return p
