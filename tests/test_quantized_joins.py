@@ -99,3 +99,20 @@ def test_a_join_survives_a_model_file(tmp_path):
     back = io.load(io.save(model, tmp_path / 'cat.npz'))
     qa = quantize_per_tensor(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), 0.02, 1)
     assert np.array_equal(back[0](qa, qa).data, model[0](qa, qa).data) and back[0].config() == model[0].config()
+
+
+@pytest.mark.parametrize('seed', range(20))
+def test_the_numba_add_kernel_is_bit_exact_with_the_numpy_steps(seed):
+    "Two int8 inputs of one shape take the kernel; int16 copies of the same values take the NumPy expression."
+    rng = np.random.default_rng(seed)
+    shape = (int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(1, 400)), int(rng.integers(1, 12)))
+    a, b = (rng.integers(-128, 128, shape).astype(np.int8) for _ in range(2))
+    a.flat[0], b.flat[-1] = -128, 127                                     # the ends of the range
+    scales = rng.uniform(1e-3, 0.5, 3)
+    zps = [int(z) for z in rng.integers(-128, 128, 3)]
+    rescale = add_rescale(scales[:2], scales[2])
+    for relu in (False, True):
+        fast = quantized_add([a, b], zps[:2], rescale, zps[2], relu)
+        slow = quantized_add([a.astype(np.int16), b.astype(np.int16)], zps[:2], rescale, zps[2], relu)
+        assert fast.dtype == np.int8 and fast.shape == shape
+        np.testing.assert_array_equal(fast, slow)

@@ -174,6 +174,16 @@ def _mbqm(x, m, s):
     return (q >> rs) + (1 if (q & mask) > thr else 0)
 
 @njit(parallel=True, cache=True)
+def _quantized_add2(a, b, za, zb, ma, ea, mb, eb, mo, eo, ozp, lo, ls, out):
+    "The int8 add of two flat arrays of one size into `out` (`quantized_add`'s steps, `ls` its left shift), element by element."
+    n, chunk = a.size, 8192
+    for c in prange((n + chunk - 1) // chunk):
+        for i in range(c * chunk, min(n, (c + 1) * chunk)):
+            total = _mbqm((np.int64(a[i]) - za) << ls, ma, ea) + _mbqm((np.int64(b[i]) - zb) << ls, mb, eb)
+            out[i] = min(max(_mbqm(total, mo, eo) + ozp, lo), 127)
+    return out
+
+@njit(parallel=True, cache=True)
 def _qconv_loops(xq, zx, wq, bias, mult, shift, ozp, qmin, qmax, sh, sw, ph, pw, dh, dw, groups, out):
     "Direct integer conv2d: a parallel task per (n, co), int32 accumulators, requantization at the end."
     n_, c_, h, w = xq.shape

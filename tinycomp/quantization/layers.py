@@ -22,7 +22,7 @@ from ..tensor import Tensor, as_tensor
 from .core import (calculate_qparams, dequantize, multiply_by_quantized_multiplier, pack_int4, per_channel_qparams,
                    qrange, quantize_multiplier, quantize_per_channel, quantize_per_tensor, unpack_int4)
 from ..profiling.counting import conv2d_flops, layer_cost
-from .kernels import int8_matmul, quantized_adaptive_avg_pool2d, quantized_max_pool2d
+from .kernels import _quantized_add2, int8_matmul, quantized_adaptive_avg_pool2d, quantized_max_pool2d
 from .int8_conv import pack_conv_weights, quantized_conv2d, quantized_linear
 
 # %% ../../nbs/04e_quantized_layers.ipynb #0c294502
@@ -409,13 +409,22 @@ def quantized_add(qs, zero_points, rescale, output_zero_point, relu=False) -> np
     """The sum of int8 arrays `qs` (each with its own scale and zero point, shapes that broadcast) as int8 at the output's,
     in integers only (TFLite's scheme): each input minus its zero point, shifted left by `ADD_LEFT_SHIFT` and rescaled by
     its multiplier from `add_rescale`; the sum rescaled to the output scale, plus the output zero point, clamped to int8
-    (to [zero point, 127] with a fused ReLU)."""
+    (to [zero point, 127] with a fused ReLU). Two int8 inputs of one shape (a residual add) take a Numba kernel that does
+    the same steps element by element; other inputs, the NumPy expression below."""
     (inputs, (m_out, e_out)), total = rescale, 0
+    lo = int(output_zero_point) if relu else -128
+    if len(qs) == 2 and all(isinstance(q, np.ndarray) and q.dtype == np.int8 for q in qs) and qs[0].shape == qs[1].shape:
+        (ma, ea), (mb, eb) = inputs
+        out = np.empty(qs[0].shape, np.int8)
+        _quantized_add2(np.ascontiguousarray(qs[0]).reshape(-1), np.ascontiguousarray(qs[1]).reshape(-1),
+                        int(zero_points[0]), int(zero_points[1]), ma, ea, mb, eb, m_out, e_out, int(output_zero_point),
+                        lo, ADD_LEFT_SHIFT, out.reshape(-1))
+        return out
     for q, z, (m, e) in zip(qs, zero_points, inputs):
         shifted = (np.asarray(q, np.int64) - int(z)) << ADD_LEFT_SHIFT
         total = total + multiply_by_quantized_multiplier(shifted, m, e).astype(np.int64)
     out = multiply_by_quantized_multiplier(total, m_out, e_out).astype(np.int64) + int(output_zero_point)
-    return np.clip(out, int(output_zero_point) if relu else -128, 127).astype(np.int8)
+    return np.clip(out, lo, 127).astype(np.int8)
 
 def rescale_multiplier(input_scale, output_scale) -> tuple:
     "`(multiplier, shift)` of `input_scale / output_scale`, for inputs shifted left by `ADD_LEFT_SHIFT` (see `rescale_int8`)."
