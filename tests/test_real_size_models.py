@@ -10,7 +10,7 @@ import pytest
 from tinycomp.benchmarking import compare, compress
 from tinycomp.data import DataLoader, load_mnist5k, load_splits
 from tinycomp.distillation import cache_teacher_logits, distill
-from tinycomp.errors import TinycompError
+from tinycomp.errors import TinycompError, TinycompWarning
 from tinycomp.io import load, read_manifest, save
 from tinycomp.models import (MODELS, ResNet, evaluate, load_pretrained, model_data, pretrained_info, pretrained_path,
                              resnet8)
@@ -138,7 +138,7 @@ def test_profile_command_on_resnet8(tmp_path, capsys):
     from tinycomp.cli import main
     assert main(['profile', 'resnet8', '--batch', '2', '--repeats', '2', '--out', str(tmp_path), '--trace', '--roofline']) == 0
     out = capsys.readouterr().out
-    assert 'layer3.conv2' in out and 'tinycomp profile resnet8: batch 2' in out and 'bound' in out
+    assert 'layer3.conv2' in out and 'tinycomp profile resnet8 on mnist5k test images: batch 2' in out and 'bound' in out
     rows = (tmp_path / 'operator_profile.csv').read_text()
     assert 'layer1.conv1' in rows and 'layer2.downsample.0' in rows
     events = json.loads((tmp_path / 'trace.json').read_text())['traceEvents']
@@ -146,7 +146,8 @@ def test_profile_command_on_resnet8(tmp_path, capsys):
     assert (tmp_path / 'roofline.png').stat().st_size > 1000
     assert main(['profile', 'ds_cnn', '--batch', '2', '--repeats', '2', '--out', str(tmp_path), '--shape', '1,8,8']) == 0
     capsys.readouterr()
-    assert main(['profile', 'digits_cnn', '--data', 'mnist5k', '--batch', '2', '--repeats', '2', '--out', str(tmp_path)]) == 2
+    with pytest.warns(TinycompWarning, match='digits_cnn was trained on digits'):
+        assert main(['profile', 'digits_cnn', '--data', 'mnist5k', '--batch', '2', '--repeats', '2', '--out', str(tmp_path)]) == 2
     assert 'does not accept inputs of shape (1, 28, 28)' in capsys.readouterr().err
 
 
@@ -170,9 +171,10 @@ def test_compress_command_takes_the_model_data_and_records_it(tmp_path, capsys):
     recipe.write_text(json.dumps([{'quantize_static': {}}]))
     result = compress_command(str(recipe), 'ds_cnn', tmp_path / 'out', progress=False, rounds=2, calls=1)
     assert result['data'] == 'mnist5k' and 'ds_cnn, mnist5k test split' in capsys.readouterr().out
-    assert model_data(tmp_path / 'out' / 'ds_cnn_compressed.npz') == 'mnist5k'
-    assert result['rows'][0]['accuracy'] >= 0.97
-    with pytest.raises(TinycompError, match='cannot take the data'):                # digits_cnn on 28x28 images
+    saved = tmp_path / 'out' / 'ds_cnn_compressed.npz'
+    assert model_data(saved) == 'mnist5k' and result['rows'][0]['accuracy'] >= 0.97
+    assert result['rows'][-1]['file_bytes'] == saved.stat().st_size                # the report's bytes are the file's
+    with pytest.raises(TinycompError, match='cannot take the data'), pytest.warns(TinycompWarning, match='trained on digits'):
         compress_command(str(recipe), 'digits_cnn', tmp_path / 'out2', progress=False, rounds=2, calls=1, data='mnist5k')
 
 
@@ -260,3 +262,23 @@ def test_export_command_builds_the_graph_for_the_model_data(tmp_path, capsys):
     assert main(['export', 'ds_cnn', '--out', str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert ", 1, 28, 28] float32)" in out and 'Conv x9' in out, out                      # four depthwise, four pointwise, the stem
+
+
+def test_a_loaded_model_carries_its_data_and_its_file_size(tmp_path):
+    from tinycomp.io import carried_metadata, model_size
+    model = load_pretrained('resnet8')
+    assert carried_metadata(model) == {'data': 'mnist5k'} and model_data(model) == 'mnist5k'
+    assert model_size(model) == pretrained_path('resnet8').stat().st_size        # the report's bytes are the file's
+    again = load(save(model, tmp_path / 'again.npz'))
+    assert model_data(again) == 'mnist5k' and (tmp_path / 'again.npz').stat().st_size == model_size(model)
+
+
+def test_asking_for_other_data_than_the_model_was_trained_on_warns():
+    from tinycomp.models import data_choice
+    assert data_choice('resnet8') == 'mnist5k' and data_choice('digits_cnn', None) == 'digits'
+    with pytest.warns(TinycompWarning, match='resnet8 was trained on mnist5k; using digits as asked'):
+        assert data_choice('resnet8', 'digits') == 'digits'
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert data_choice(resnet8(), 'digits') == 'digits'           # a model that records nothing: no warning

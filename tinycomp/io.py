@@ -18,8 +18,8 @@ from .files import CONTAINERS, LAYERS, atomic_write, write_npz
 from .nn.modules import Sequential, skip_init
 
 # %% auto #0
-__all__ = ['FORMAT_NAME', 'FORMAT_VERSION', 'MANIFEST_KEY', 'MAX_UNPACKED_BYTES', 'describe', 'save', 'model_size',
-           'read_manifest', 'load']
+__all__ = ['FORMAT_NAME', 'FORMAT_VERSION', 'MANIFEST_KEY', 'MAX_UNPACKED_BYTES', 'describe', 'carried_metadata', 'save',
+           'model_size', 'read_manifest', 'load']
 
 # %% ../nbs/93_io.ipynb #b7bce311
 FORMAT_NAME, FORMAT_VERSION = 'tinycomp-model', 2
@@ -95,10 +95,16 @@ def _file_arrays(model, metadata=None) -> dict:
     arrays[MANIFEST_KEY] = np.frombuffer(text.encode('utf-8'), dtype=np.uint8)
     return arrays
 
+def carried_metadata(model) -> dict:
+    """The metadata `model` carries from the file it was loaded from (`load` keeps the manifest's `metadata` as
+    `model.file_metadata`, e.g. `{'data': 'mnist5k'}`, the data set a model was trained on): `save` and
+    `model_size` write it again, so a model's file size does not change when it is saved again."""
+    return dict(getattr(model, 'file_metadata', None) or {})
+
 def save(model, path, metadata: dict | None = None) -> Path:
-    "Write `model` to `path` (a `.npz` model file) atomically; `metadata` is extra JSON kept in the manifest."
+    "Write `model` to `path` (a `.npz` model file) atomically; `metadata` is extra JSON kept in the manifest, beside what the model carries."
     path = Path(path)
-    arrays = _file_arrays(model, metadata)
+    arrays = _file_arrays(model, {**carried_metadata(model), **(metadata or {})})
     with atomic_write(path) as f: write_npz(f, arrays)  # uncompressed, fixed time stamps: same model, same bytes
     return path
 
@@ -106,7 +112,7 @@ def model_size(model) -> int:
     """Bytes of the file `save` writes for `model` (written to memory, nothing on disk): the one measure of a model's
     size in the course. `ModelFileError` for a model `save` cannot store."""
     buf = BytesIO()
-    write_npz(buf, _file_arrays(model))
+    write_npz(buf, _file_arrays(model, carried_metadata(model)))
     return buf.getbuffer().nbytes
 
 # %% ../nbs/93_io.ipynb #08d377c9
@@ -377,4 +383,5 @@ def load(path, max_bytes=None):
         if check is None: continue
         try: check()
         except TinycompError as e: raise _fail(path, f"layer {name or 'model'} ({type(module).__name__}): {e}") from None
+    if manifest.get('metadata'): model.file_metadata = dict(manifest['metadata'])   # see carried_metadata
     return model

