@@ -396,7 +396,7 @@ def train_command(name, out='tinycomp_train', epochs=None, seed=None, progress=T
     output_folder(out, create=False)
     model, history = train_reference(name, epochs=epochs, seed=seed, progress=progress)
     path = save_pretrained(name, model, history, out, training_config(name, epochs, seed))
-    acc = evaluate(model, load_shipped(TRAINING_CONFIGS[name]['data'], 'test')).accuracy
+    acc = json.loads(path.with_suffix('.json').read_text())['test_accuracy']   # save_pretrained evaluated it
     print(f"{name}: test accuracy {acc:.2%}; wrote {path}, {path.with_suffix('.json')}")
     if pretrained_path(name).exists() and path.resolve() != pretrained_path(name).resolve() and epochs is None and seed is None:
         shipped = load_pretrained(name).state_dict()
