@@ -265,14 +265,21 @@ class Graph(Module):
             items.insert(at, (new_name, Node(new_name, module, (name,), None)))
             self.nodes = dict(items)
 
-    def remove(self, name):
-        "Drop node `name`, which must read one value: its readers read that value instead."
+    def remove(self, name, keep=None):
+        """Drop node `name`: its readers read `keep` instead (a value made before it; by default its input, when it
+        reads just one)."""
         node = self[name]
-        if len(node.inputs) != 1:
-            raise GraphError(f"node {name!r} reads {len(node.inputs)} values {list(node.inputs)}; only a node reading one can be removed")
+        if keep is None and len(node.inputs) != 1:
+            raise GraphError(f"node {name!r} reads {len(node.inputs)} values {list(node.inputs)}; say which value its "
+                             "readers read instead (keep=...)")
         with self._rewrite():
             self.nodes = {k: n for k, n in self.nodes.items() if k != name}
-            self._rewired(name, node.inputs[0], self.nodes.values())
+            self._rewired(name, node.inputs[0] if keep is None else keep, self.nodes.values())
+
+    def set_inputs(self, name, inputs):
+        "Node `name` reads the values `inputs` (names of nodes before it, or the input) instead of its own."
+        node = self[name]
+        with self._rewrite(): node.inputs = tuple(inputs)
 
     def infer_shapes(self, x=None):
         "Run the graph (on `x`, or zeros of the example's shape) and record every node's output shape and dtype."
