@@ -569,11 +569,13 @@ def test_bench_onnx_command(monkeypatch, tmp_path, capsys):
     path = tmp_path / 'bench.json'
     assert main(['bench', 'onnx', '--repeats', '2', '--threads', '1', '--json', str(path)]) == 0
     out = capsys.readouterr().out
-    assert 'ours/ORT' in out and 'b64 ORT ms' in out and asked == [['digits_cnn', 'digits_cnn_wide']]
+    assert 'eager/ORT' in out and 'frozen/ORT' in out and 'b64 ORT ms' in out
+    assert asked == [['digits_cnn', 'digits_cnn_wide', 'resnet8', 'mobilenet_v2_tiny', 'ds_cnn']]
     assert main(['bench', 'onnx', '--repeats', '2', '--threads', '1', '--model', 'ds_cnn', '--model', 'resnet8']) == 0
     assert asked[-1] == ['ds_cnn', 'resnet8'] and 'ds_cnn' in capsys.readouterr().out     # 28x28 inputs, its own data
     res = json.loads(path.read_text())
     assert res['meta']['ort_intra_op_threads'] == 1 and res['meta']['threads']['numba'] == 1
     lat = res['rows'][0]['latency']
-    assert set(lat) == {'1', '64'} and all(v['ours'] > 0 and v['ort'] > 0 for v in lat.values())
+    assert set(lat) == {'1', '64'} and all(v['ours'] > 0 and v['frozen'] > 0 and v['ort'] > 0 for v in lat.values())
     assert abs(lat['1']['ratio'] - lat['1']['ours'] / lat['1']['ort']) < 1e-12
+    assert abs(lat['64']['frozen_ratio'] - lat['64']['frozen'] / lat['64']['ort']) < 1e-12

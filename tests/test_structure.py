@@ -19,7 +19,7 @@ FLOORS = [('tinycomp', 'tinycomp.errors', 'tinycomp.lazy', 'tinycomp.files', 'ti
           ('tinycomp.data', 'tinycomp.io', 'tinycomp.models'),
           ('tinycomp.profiling',),
           ('tinycomp.quantization', 'tinycomp.pruning', 'tinycomp.distillation'),
-          ('tinycomp.benchmarking', 'tinycomp.onnx'),
+          ('tinycomp.benchmarking', 'tinycomp.onnx', 'tinycomp.deploy'),
           ('tinycomp.leaderboard',),
           ('tinycomp.course', 'tinycomp.checks', 'tinycomp.tour', 'tinycomp.cli')]
 

@@ -100,14 +100,13 @@ def add_bench_cli(bench_subparsers):
     "Register `tinycomp bench onnx [--threads N] [--json PATH] [--repeats R] [--model NAME ...]`."
     from tinycomp.profiling.timing import add_measure_options
     p = bench_subparsers.add_parser(
-        'onnx', help='our float32 and int8 digits CNNs against ONNX Runtime, batch 1 and 64',
-        description='Time our float32 and static int8 digits_cnn and digits_cnn_wide against ONNX Runtime running '
-                    'their exported ONNX files (QDQ int8, which ORT runs with its integer kernels), with the same '
-                    'thread count, at batch 1 and 64, in one run; prints our latency over ORT\'s. Needs the onnx '
-                    f'extra: {ONNX_EXTRA}.')
+        'onnx', help='our float32 and int8 models, eager and frozen, against ONNX Runtime, batch 1 and 64',
+        description='Time our float32 and static int8 shipped models, called eagerly and frozen for inference '
+                    '(tinycomp.deploy.freeze), against ONNX Runtime running their exported ONNX files (QDQ int8, which '
+                    'ORT runs with its integer kernels), with the same thread count, at batch 1 and 64, in one run; '
+                    f'prints our latencies over ORT\'s. Needs the onnx extra: {ONNX_EXTRA}.')
     add_measure_options(p)                          # ONNX Runtime gets the same count (intra-op threads)
     p.add_argument('--model', action='append', choices=sorted(MODELS), metavar='NAME',
-                   help=f"a shipped model to time (repeat for several; default: {' and '.join(BENCH_MODELS)}); "
-                        f"one of {', '.join(sorted(MODELS))}")
+                   help=f"a shipped model to time (repeat for several; default: all of them: {', '.join(BENCH_MODELS)})")
     p.set_defaults(func=_run_bench)
     return p

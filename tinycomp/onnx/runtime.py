@@ -141,7 +141,7 @@ def lsb_diff(ours, theirs, scale) -> dict:
                 class_agreement=float((np.asarray(ours).argmax(-1) == np.asarray(theirs).argmax(-1)).mean()))
 
 # %% ../../nbs/96c_onnx_runtime.ipynb #712aa584
-BENCH_MODELS = ('digits_cnn', 'digits_cnn_wide')
+BENCH_MODELS = ('digits_cnn', 'digits_cnn_wide', 'resnet8', 'mobilenet_v2_tiny', 'ds_cnn')   # every shipped model
 
 def _bench_models(names):
     "(name, precision, model, test images) of each shipped model in `names`, float32 and int8 (calibrated on 256 training images)."
@@ -156,11 +156,12 @@ def _bench_models(names):
     return out
 
 def onnx_benchmark(threads=None, json_path=None, repeats=20, verbose=True, batches=(1, 64), models=BENCH_MODELS) -> dict:
-    """`tinycomp bench onnx`: median latency of our float32 and int8 shipped `models` (default digits_cnn and
-    digits_cnn_wide) against ONNX Runtime on their exported files (same thread count), at each batch size, on the test
-    images of each model's data; ratios ours / ORT. Optional JSON."""
+    """`tinycomp bench onnx`: median latency of our float32 and int8 shipped `models` (default: all of them), run eagerly
+    and frozen (`tinycomp.deploy.freeze`), against ONNX Runtime on their exported files (same thread count), at each
+    batch size, on the test images of each model's data; ratios ours / ORT. Optional JSON."""
     import numba
     from tinycomp.profiling.timing import set_threads, thread_info, time_fn
+    from tinycomp.deploy.runtime import freeze
     onnx, ort = require_onnx(runtime=True)
     info = set_threads(threads) if threads is not None else thread_info()
     n_threads = info['numba']
@@ -169,17 +170,22 @@ def onnx_benchmark(threads=None, json_path=None, repeats=20, verbose=True, batch
         for name, precision, model, X in _bench_models(models):
             path = export_onnx(model, Path(d) / f"{name}_{precision}.onnx", (1,) + X.shape[1:], name=name)
             sess = ort_session(path, threads=n_threads)
+            frozen = freeze(model, X[:4])
             row = dict(model=name, precision=precision, file_bytes=path.stat().st_size, latency={})
             for b in batches:
                 xb = np.ascontiguousarray(X[:b])
                 feed = {sess.get_inputs()[0].name: xb}
+                out = np.empty_like(frozen.run(xb))
                 with no_grad():
                     time.sleep(0.1)              # let the other runtime's spinning threads settle
                     ours = time_fn(lambda: model(Tensor(xb)), repeats=repeats, warmup=5)
                 time.sleep(0.1)
+                fast = time_fn(lambda: frozen.run(xb, out), repeats=repeats, warmup=5)
+                time.sleep(0.1)
                 theirs = time_fn(lambda: sess.run(None, feed), repeats=repeats, warmup=5)
-                row['latency'][b] = dict(ours=ours['median'], ort=theirs['median'], ratio=ours['median'] / theirs['median'],
-                                         ours_noisy=ours['noisy'], ort_noisy=theirs['noisy'])
+                row['latency'][b] = dict(ours=ours['median'], frozen=fast['median'], ort=theirs['median'],
+                                         ratio=ours['median'] / theirs['median'], frozen_ratio=fast['median'] / theirs['median'],
+                                         ours_noisy=ours['noisy'], frozen_noisy=fast['noisy'], ort_noisy=theirs['noisy'])
             rows.append(row)
     result = dict(benchmark='tinycomp vs ONNX Runtime', rows=rows,
                   meta=dict(threads=info, ort_intra_op_threads=n_threads, onnxruntime=ort.__version__, onnx=onnx.__version__,
@@ -191,25 +197,27 @@ def onnx_benchmark(threads=None, json_path=None, repeats=20, verbose=True, batch
     return result
 
 def format_onnx_benchmark(result) -> str:
-    "The table of `onnx_benchmark`: per model and precision, our and ORT's median latency (ms) and their ratio per batch."
+    "The table of `onnx_benchmark`: per model and precision, our eager, frozen and ORT's median latency (ms) and the ratios to ORT, per batch."
     from tinycomp.profiling.hardware import format_table
     batches = result['meta']['batches']
     table, cols = [], [('model', 'model', ''), ('precision', 'precision', '')]
     for b in batches:
-        cols += [(f'o{b}', f'b{b} ours ms', ''), (f't{b}', f'b{b} ORT ms', ''), (f'r{b}', f'b{b} ours/ORT', '.2f')]
+        cols += [(f'o{b}', f'b{b} eager ms', ''), (f'f{b}', f'b{b} frozen ms', ''), (f't{b}', f'b{b} ORT ms', ''),
+                 (f'r{b}', f'b{b} eager/ORT', '.2f'), (f'q{b}', f'b{b} frozen/ORT', '.2f')]
     for r in result['rows']:
         t = dict(model=r['model'], precision=r['precision'])
         for b in batches:
             lat = r['latency'][b]
-            t[f'o{b}'] = f"{lat['ours'] * 1e3:.3f}{'*' if lat['ours_noisy'] else ''}"
-            t[f't{b}'] = f"{lat['ort'] * 1e3:.3f}{'*' if lat['ort_noisy'] else ''}"
-            t[f'r{b}'] = lat['ratio']
+            for key, short in (('ours', 'o'), ('frozen', 'f'), ('ort', 't')):
+                t[f'{short}{b}'] = f"{lat[key] * 1e3:.3f}{'*' if lat[key + '_noisy'] else ''}"
+            t[f'r{b}'], t[f'q{b}'] = lat['ratio'], lat['frozen_ratio']
         table.append(t)
     m = result['meta']
     head = (f"tinycomp vs ONNX Runtime {m['onnxruntime']}, test images of each model's data, median of {m['repeats']} runs, "
             f"{m['ort_intra_op_threads']} thread(s) each (numba {m['threads']['numba']}, blas {m['threads']['blas']}, "
             f"ORT intra-op {m['ort_intra_op_threads']}, inter-op 1)")
-    legend = ("ours/ORT = our median latency / ONNX Runtime's: > 1 means ONNX Runtime is faster by that factor, < 1 "
-              "means ours is faster; int8 rows: our integer kernels vs ORT's QLinearConv/QGemm on the QDQ export; "
-              "* = coefficient of variation > 10 %")
+    legend = ("eager = the model called layer by layer; frozen = the same model after tinycomp.deploy.freeze (folded, "
+              "fused, memory planned); X/ORT = that median latency / ONNX Runtime's: > 1 means ONNX Runtime is faster "
+              "by that factor, < 1 means ours is faster; int8 rows: our integer kernels vs ORT's QLinearConv/QGemm on "
+              "the QDQ export; * = coefficient of variation > 10 %")
     return '\n'.join([head, format_table(table, cols), legend])
