@@ -1,6 +1,6 @@
 """Shared test switches and markers. Tests that need an OS capability may skip only on a machine without it: the sandboxed grader
 (bubblewrap, and cgroups for the memory-limit tests), QEMU's user-mode emulator (ONNX Runtime on an emulated
-AVX2-only CPU) and Chromium (the leaderboard page in a headless browser); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI,
+AVX2-only CPU), an x86 CPU with AVX2 (the tiled float kernel) and Chromium (the leaderboard page in a headless browser); with TINYCOMP_REQUIRE_SANDBOX=1 (set by CI,
 which installs them) a missing one is a failure. And `writes_only`: a command writes nothing outside its `--out`."""
 import os
 import re
@@ -27,6 +27,13 @@ def tree_limit(sandbox):
     "Skip (or, in CI, fail) unless a cgroup can limit a whole process tree here."
     from tinycomp.course.sandbox import sandbox_status
     _need('a cgroup memory limit for a process tree', sandbox_status()['tree_limit'], 'needs root or a delegated cgroup')
+
+
+@pytest.fixture
+def float_tiles():
+    "Skip (or, in CI, fail) unless this CPU runs module 02's register-tiled float kernel (x86 with AVX2 and FMA)."
+    from tinycomp.tiles import FLOAT_LANES
+    _need('the register-tiled float kernel', FLOAT_LANES, 'needs an x86 CPU with AVX2 and FMA, or AVX-512')
 
 
 @pytest.fixture

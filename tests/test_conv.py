@@ -392,7 +392,8 @@ def test_conv_benchmark_small_shapes_and_json(tmp_path, capsys):
     saved = json.loads(path.read_text())
     assert saved['meta']['threads']['numba'] == 1 and saved['meta']['repeats'] == 2
     small, big = saved['rows']
-    assert set(small['timings']) == {'naive', 'numpy_im2col', 'tinycomp_fwd', 'tinycomp_bwd'}
+    from tinycomp.tiles import FLOAT_LANES
+    assert set(small['timings']) == {'naive', 'numpy_im2col', 'tinycomp_fwd', 'tinycomp_bwd'} | ({'tinycomp_tiled'} if FLOAT_LANES else set())
     assert 'naive' not in big['timings']
     assert big['gflop'] == 2 * 2 * 8 * 36 * 4 * 9 / 1e9
     assert all(v['gflops'] > 0 for v in big['timings'].values()) and res['rows'][1]['bwd_over_fwd'] > 0

@@ -52,7 +52,7 @@ def test_the_frozen_model_computes_what_the_model_does(name, precision):
         if precision == 'int8': assert np.array_equal(got, ref)                      # bit for bit
         else: np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
     assert frozen.run(X[:1]).shape == (1, 10)               # an arena per batch size, each reused
-    assert set(frozen._bound) == {4, 1, 7, 64}                 # (4: the check at freeze time)
+    assert {b for b, _ in frozen._bound} == {4, 1, 7, 64}       # (4: the check at freeze time)
 
 
 def test_layers_without_a_kernel_run_eagerly_and_layouts_change_only_where_needed():
@@ -70,7 +70,7 @@ def test_a_flatten_of_an_image_permutes_the_linear_weights_once_and_an_image_out
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 5)).eval()
     x = images(3)
     frozen = freeze(model, x)
-    assert [s.kind for s in frozen.steps] == ['reorder nchw -> nhwc', 'conv (im2col + GEMM)', 'flatten (a view)', 'linear (GEMM)']
+    assert [s.kind.split(' (')[0] for s in frozen.steps] == ['reorder nchw -> nhwc', 'conv', 'flatten', 'linear']
     np.testing.assert_allclose(frozen.run(x), _eager(model, x), rtol=0, atol=1e-5)
     convs = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 6, 1)).eval()      # ends in an image
     frozen = freeze(convs, x)
@@ -134,6 +134,15 @@ def test_random_plans_never_share_bytes_between_live_values(seed):
     assert plan.arena_bytes >= peak_live                    # no plan beats what is alive at one step
 
 
+def test_the_program_a_frozen_model_plans_reads_like_a_graph():
+    frozen = freeze(load_pretrained('resnet8'), _data('resnet8')[:2])
+    program = frozen._program()
+    names = [s.name for s in program]
+    assert list(program.nodes) == names and program['conv1'].inputs == ('input@nhwc',)
+    assert [s.name for s in program.users('conv1')] == ['layer1.conv1', 'layer1.conv2']
+    assert program.output == 'fc' and len(program) == len(names)
+
+
 def test_assign_offsets_prefers_the_tightest_gap_and_keeps_touching_lifetimes_apart():
     assert list(assign_offsets([10, 10, 3, 3, 2], [0, 0, 0, 1, 2], [1, 3, 1, 3, 2])) == [0, 10, 20, 23, 20]
     assert list(assign_offsets([4, 4], [0, 1], [1, 2])) == [0, 4]          # both alive at step 1
@@ -145,7 +154,7 @@ def test_the_steady_state_allocates_no_array_and_the_arena_is_smaller_than_the_v
     frozen = freeze(load_pretrained('resnet8'), X[:4])
     small, large = (steady_state_allocations(frozen, X[:b]) for b in (1, 64))
     assert small['array_bytes'] == large['array_bytes'] == 0
-    assert large['peak_bytes'] < 4096                         # frames and argument objects, not activations
+    assert large['peak_bytes'] < 65536                        # frames and argument objects; a conv output is 800 KB
     plan = frozen.memory_plan(64)
     assert plan.arena_bytes < 0.6 * plan.separate_bytes
 

@@ -14,7 +14,7 @@ PACKAGE = ROOT / 'tinycomp'
 FLOORS = [('tinycomp', 'tinycomp.errors', 'tinycomp.lazy', 'tinycomp.files', 'tinycomp.profiling.timing'),
           ('tinycomp.tensor',),
           ('tinycomp.nn', 'tinycomp.optim'),
-          ('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'),
+          ('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm', 'tinycomp.tiles'),
           ('tinycomp.graph',),
           ('tinycomp.data', 'tinycomp.io', 'tinycomp.models'),
           ('tinycomp.profiling',),

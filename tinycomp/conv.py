@@ -504,6 +504,10 @@ def _conv_row(shape, repeats, naive, torch, settle=0.2):
     if naive: add('naive', lambda: conv2d_naive(x, wt, b, 1, 1), 1, flops)
     add('numpy_im2col', lambda: conv2d_im2col(x, wt, b, 1, 1), repeats, flops)
     add('tinycomp_fwd', lambda: conv2d_forward(x, wt, b, 1, 1), repeats, flops)
+    from tinycomp.tiles import FLOAT_LANES, conv2d_tiled, pack_tiled_weights     # part (d)
+    if FLOAT_LANES:
+        packed = pack_tiled_weights(wt)
+        add('tinycomp_tiled', lambda: conv2d_tiled(x, wt, b, 1, 1, packed=packed), repeats, flops)
     add('tinycomp_bwd', lambda: conv2d_backward(g, x, wt, 1, 1), repeats, 2 * flops)
     if torch is not None:
         tx, tw, tb = (torch.from_numpy(a.copy()).requires_grad_() for a in (x, wt, b))
@@ -516,6 +520,7 @@ def _conv_row(shape, repeats, naive, torch, settle=0.2):
     res['fwd_vs_numpy'] = t['numpy_im2col']['median'] / t['tinycomp_fwd']['median']
     if 'torch_fwd' in t:
         res['fwd_vs_torch'] = t['torch_fwd']['median'] / t['tinycomp_fwd']['median']
+        if 'tinycomp_tiled' in t: res['tiled_vs_torch'] = t['torch_fwd']['median'] / t['tinycomp_tiled']['median']
         res['bwd_vs_torch'] = t['torch_bwd']['median'] / t['tinycomp_bwd']['median']
     return res
 
@@ -526,14 +531,15 @@ def _fmt_row(r):
         if k not in t: return f"{'-':>9s}"
         return f"{t[k]['gflops']:8.{3 if t[k]['gflops'] < 0.1 else 1}f}{'*' if t[k]['noisy'] else ' '}"
     s = '({},{},{},{}->{})'.format(*r['shape'])
-    vs = f"{r['fwd_vs_torch']:6.2f}" if 'fwd_vs_torch' in r else f"{'-':>6s}"
-    vb = f"{r['bwd_vs_torch']:6.2f}" if 'bwd_vs_torch' in r else f"{'-':>6s}"
-    return (f"{s:20s}" + ''.join(cell(k) for k in ('naive', 'numpy_im2col', 'tinycomp_fwd', 'tinycomp_bwd', 'torch_fwd', 'torch_bwd'))
-            + f"  {r['fwd_vs_numpy']:6.2f} {vs} {r['bwd_over_fwd']:6.2f} {vb}")
+    vs, vb, vt = (f"{r[k]:6.2f}" if k in r else f"{'-':>6s}" for k in ('fwd_vs_torch', 'bwd_vs_torch', 'tiled_vs_torch'))
+    return (f"{s:20s}" + ''.join(cell(k) for k in ('naive', 'numpy_im2col', 'tinycomp_fwd', 'tinycomp_tiled', 'tinycomp_bwd',
+                                                   'torch_fwd', 'torch_bwd'))
+            + f"  {r['fwd_vs_numpy']:6.2f} {vs} {vt} {r['bwd_over_fwd']:6.2f} {vb}")
 
 def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_torch=True, verbose=True):
     """Time 3x3 pad-1 conv2d at `shapes` (N, Cin, H, W, Cout): naive loops (smallest shape only), NumPy im2col,
-    tinycomp forward/backward and PyTorch (if installed); print GFLOP/s and ratios, optionally write JSON."""
+    tinycomp forward/backward, the register-tiled forward of part (d) (where the CPU has it) and PyTorch (if
+    installed); print GFLOP/s and ratios, optionally write JSON."""
     from tinycomp.profiling.timing import optional_torch, set_threads, thread_info
     shapes = [tuple(s) for s in (shapes or CONV_BENCH_SHAPES)]
     info = set_threads(threads) if threads is not None else thread_info()
@@ -547,10 +553,11 @@ def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_to
     if verbose:
         print(f"conv2d 3x3 pad 1, fp32, GFLOP/s (median of {repeats}; * = coefficient of variation > 10 %); "
               f"threads: numba {info['numba']}, blas {info['blas']}, torch {info['torch']}")
-        print(f"{'shape (N,C,H,W->Co)':20s}{'naive':>9s}{'numpy':>9s}{'tc fwd':>9s}{'tc bwd':>9s}{'pt fwd':>9s}{'pt bwd':>9s}"
-              f"  {'fwd/np':>6s} {'fwd/pt':>6s} {'bwd/fw':>6s} {'bwd/pt':>6s}")
+        print(f"{'shape (N,C,H,W->Co)':20s}{'naive':>9s}{'numpy':>9s}{'tc fwd':>9s}{'tiled':>9s}{'tc bwd':>9s}{'pt fwd':>9s}"
+              f"{'pt bwd':>9s}  {'fwd/np':>6s} {'fwd/pt':>6s} {'til/pt':>6s} {'bwd/fw':>6s} {'bwd/pt':>6s}")
         for r in rows: print(_fmt_row(r))
-        print("fwd/np, fwd/pt: tinycomp forward speed relative to NumPy im2col and PyTorch (>1 = faster); "
+        print("fwd/np, fwd/pt: tinycomp forward speed relative to NumPy im2col and PyTorch (>1 = faster); tiled, til/pt: "
+              "the register-tiled forward (part d, NCHW in and out) and its speed relative to PyTorch; "
               "bwd/fw: tinycomp backward time / forward time; bwd/pt: backward speed relative to PyTorch.")
     if json_path: write_json(result, json_path)
     return result

@@ -104,7 +104,7 @@ _FAST_CONV = ('conv2d_forward', 'conv2d_backward', 'conv2d', 'conv2d_im2col', '_
 _SET_ASIDE = {'conv2d_naive': _FAST_CONV, 'im2col': _FAST_CONV, 'conv2d_direct_kernel': _FAST_CONV,
                'conv2d_weight_grad_kernel': _FAST_CONV}
 
-MODULE = ModuleSpec('02', 'conv', reference=('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm'), set_aside=_SET_ASIDE, checks=[
+MODULE = ModuleSpec('02', 'conv', reference=('tinycomp.conv', 'tinycomp.pooling', 'tinycomp.batchnorm', 'tinycomp.tiles'), set_aside=_SET_ASIDE, checks=[
     Check('conv2d_naive', 'bias', 1.5, _naive_inputs('basic'), _run_naive, timeout=20, exact_dtype=True),
     Check('conv2d_naive', 'stride_padding', 1.5, _naive_inputs('strided'), _run_naive, timeout=20, exact_dtype=True),
     Check('im2col', 'basic', 1, _im2col_inputs('basic'), _run_im2col),

@@ -23,6 +23,7 @@ from ..quantization.kernels import _qavg_pool, _qconv_loops, _qmax_pool, _quanti
 from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
                                           QuantizedConv2d, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
+from ..tiles import _DRIVERS as _TILE_DRIVERS, FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_offsets
 from .kernels import (_adaptive_avg_nhwc, _add_relu, _conv_direct_nhwc, _dequantize, _epilogue,
                                      _im2col_nhwc, _max_pool_nhwc, _quantize, _relu, nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
@@ -84,6 +85,8 @@ def _lower_fused_conv(ctx, node, m):
     out_value = Value((cout, oh, ow), np.dtype(np.float32), 'nhwc')
     flops = 2 * oh * ow * cout * (c // groups) * kh * kw
     inputs = (x,) + ((res,) if res else ())
+    if groups == 1 and FLOAT_LANES:                         # module 02's register-tiled kernel
+        return _lower_tiled_conv(node, m, x, res, (c, h, w), (kh, kw, sh, sw, ph, pw, dh, dw, oh, ow), bias, relu), out_value
     if groups > 1:                                          # grouped / depthwise: the direct kernel
         wp = np.ascontiguousarray(wt.transpose(2, 3, 1, 0))             # (kh, kw, C/groups, Cout)
         def bind(arrays, batch):
@@ -112,6 +115,30 @@ def _lower_fused_conv(ctx, node, m):
     scratch = {} if pointwise else {'cols': (lambda b: (_rows(b * oh * ow, k), k), np.float32)}
     return Step(node.name, 'conv (1x1 GEMM)' if pointwise else 'conv (im2col + GEMM)', inputs, node.name, bind,
                 scratch, flops), out_value
+
+def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
+    "The Step of a groups=1 FusedConv2d by `tiles`: pad the NHWC input into a scratch array (if padded), then the kernel."
+    (c, h, w), (kh, kw, sh, sw, ph, pw, dh, dw, oh, ow) = in_shape, geometry
+    packed = pack_tiled_weights(m.weight.data)
+    cout, padded = m.out_channels, (ph, pw) != (0, 0)
+    offsets = {}
+    def bind(arrays, batch):
+        if batch not in offsets: offsets[batch] = tile_offsets(batch, h, w, c, kh, kw, (sh, sw), (ph, pw), (dh, dw))[:2]
+        base, koff = offsets[batch]
+        calls, xp = [], arrays[x]
+        if padded:
+            xp = arrays[node.name + '#padded']
+            calls.append((pad_nhwc, (arrays[x], ph, pw, xp)))
+        out = arrays[node.name].reshape(-1, cout)
+        r = arrays[res].reshape(-1, cout) if res else out
+        serial, parallel = _TILE_DRIVERS
+        run = parallel if numba.get_num_threads() > 1 and out.shape[0] >= 4 * TILE_PIXELS[FLOAT_LANES] else serial
+        calls.append((run, (xp, packed.weights, base, koff, bias, r, res is not None, relu, out, arrays[node.name + '#tile'])))
+        return calls
+    scratch = {'tile': (lambda b: (TILE_PIXELS[FLOAT_LANES] * FLOAT_LANES,), np.float32)}
+    if padded: scratch['padded'] = (lambda b: (b, h + 2 * ph, w + 2 * pw, c), np.float32)
+    flops = 2 * oh * ow * cout * c * kh * kw
+    return Step(node.name, 'conv (register tiles)', (x,) + ((res,) if res else ()), node.name, bind, scratch, flops)
 
 def _lower_fused_linear(ctx, node, m):
     x = node.inputs[0]
@@ -325,14 +352,15 @@ class _Lowering:
         if self.values[out].layout == 'nhwc': out = self.need(out, 'nchw')
         return self.steps, self.values, out
 
-@dataclass
 class _Program:
-    "The steps in the form `value_lifetimes` reads a graph: nodes with a name and inputs, an output, an input name."
-    nodes: list
-    output: str
-    input_name: str
-    def __iter__(self): return iter(self.nodes)
+    """The steps as `value_lifetimes` reads a graph: iterated in order, each with a `name` and `inputs`; `nodes`
+    ({name: step}), `program[name]`, `users(name)`, `output` and `input_name`, as a `Graph` has them."""
+    def __init__(self, steps, output, input_name):
+        self.nodes, self.output, self.input_name = {s.name: s for s in steps}, output, input_name
+    def __iter__(self): return iter(self.nodes.values())
     def __len__(self): return len(self.nodes)
+    def __getitem__(self, name): return self.nodes[name]
+    def users(self, name) -> list: return [s for s in self.nodes.values() if name in s.inputs]
 
 # %% ../../nbs/08d_runtime.ipynb #0907370b
 @dataclass
@@ -401,7 +429,7 @@ class InferenceModel(Module):
             if v.view_of is not None and name not in arrays: arrays[name] = arrays[v.view_of].reshape(v.stored(batch))
         step_calls = [(s, s.bind(arrays, batch) if s.bind else []) for s in self.steps]
         if len(self._bound) >= MAX_BATCH_SIZES: self._bound.pop(next(iter(self._bound)))
-        b = self._bound[batch] = _Bound(plan, arena, arrays, [c for _, cs in step_calls for c in cs], step_calls)
+        b = self._bound[batch, numba.get_num_threads()] = _Bound(plan, arena, arrays, [c for _, cs in step_calls for c in cs], step_calls)
         return b
 
     def _input(self, x):
@@ -412,7 +440,7 @@ class InferenceModel(Module):
         if a.ndim != len(want) + 1 or a.shape[1:] != want or a.shape[0] < 1:
             raise ShapeError(f"this model was frozen for inputs of shape (N, {', '.join(map(str, want))}), got {a.shape}")
         if a.dtype.kind != 'f': raise TinycompError(f"a frozen model takes float input, got {a.dtype}")
-        b = self._bound.get(a.shape[0]) or self._bind(a.shape[0])
+        b = self._bound.get((a.shape[0], numba.get_num_threads())) or self._bind(a.shape[0])
         inp = b.arrays[self.graph.input_name]
         np.copyto(inp, a, casting='same_kind')
         if self.exact and not np.isfinite(inp).all():

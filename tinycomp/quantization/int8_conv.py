@@ -7,12 +7,9 @@ __all__ = ['KERNEL_LEVELS', 'HAS_VNNI', 'HAS_AVX2', 'PARALLEL_MACS', 'kernel_nam
            'quantized_conv2d', 'quantized_linear']
 
 # %% ../../nbs/04d_int8_conv.ipynb #3e759667
-import hashlib
 import os
-import platform
 from typing import NamedTuple
 
-import llvmlite.binding as llb
 import numba
 import numpy as np
 from llvmlite import ir
@@ -22,20 +19,13 @@ from numba.extending import intrinsic
 from ..conv import _geometry, njit
 from ..errors import ShapeError, TinycompError
 from .kernels import _check_conv, _int_array, _qconv_loops
+from ..tiles import _cache_by_variant, _cpu_features     # module 02's float kernel detects and caches the same way
 
 # %% ../../nbs/04d_int8_conv.ipynb #424d1e6b
 _LEVELS = ('vnni', 'avx2', 'loops')                   # best first
 _LEVEL_FEATURES = {'vnni': ('avx512f', 'avx512bw', 'avx512vnni'), 'avx2': ('avx2',), 'loops': ()}
 _KERNEL_NAMES = {'vnni': 'vpdpbusd (AVX-512 VNNI) micro-kernel', 'avx2': 'vpmaddwd (AVX2) micro-kernel',
                  'loops': 'plain Numba loops'}
-
-def _cpu_features():
-    "The CPU features Numba compiles for (NUMBA_CPU_FEATURES / NUMBA_CPU_NAME respected); none off x86."
-    if platform.machine().lower() not in ('x86_64', 'amd64'): return set()
-    cfg = numba.config
-    if cfg.CPU_FEATURES is not None: return {f[1:] for f in cfg.CPU_FEATURES.split(',') if f.startswith('+')}
-    if cfg.CPU_NAME not in (None, 'host'): return set()          # a named CPU without a feature list: assume nothing
-    return {k for k, v in llb.get_host_cpu_features().items() if v}
 
 def _kernel_levels():
     """The integer conv kernels this machine can run, best first. TINYCOMP_INT8_KERNEL=vnni|avx2|loops caps the list
@@ -270,24 +260,6 @@ def _make_driver(isa, mv):
 
     for driver in (run_serial, run_parallel): _cache_by_variant(driver, f"{isa}-{mv}", chunk)
     return run_serial, run_parallel
-
-def _cache_by_variant(dispatcher, variant, *inner):
-    """Make Numba's on-disk cache find a driver again in the next process. Numba keys a closure by pickling its cells,
-    and a pickled dispatcher (`chunk` here) carries a random uuid, so every process compiled the drivers again (about
-    5 s before the first int8 inference). Key them by (ISA, MV) and the bytecode of the inner functions instead; the
-    cache is still dropped when this file changes. Each variant also gets a name of its own (`run_serial_vnni_4`):
-    Numba names compiled code and its environment by the function's name and a counter of the process that compiled
-    it, so two variants compiled first thing in two processes had the same name, and a process loading both from the
-    cache gave them one environment (the second crashed with 'descr is NULL')."""
-    from numba.core.caching import FunctionCache
-    dispatcher.py_func.__qualname__ += '_' + variant.replace('-', '_')
-    codes = b''.join(f.py_func.__code__.co_code for f in inner)
-    class VariantCache(FunctionCache):
-        def _index_key(self, sig, codegen):
-            key = super()._index_key(sig, codegen)
-            return key[:2] + ((key[2][0], hashlib.sha256(variant.encode() + codes).hexdigest()),)
-    try: dispatcher._cache = VariantCache(dispatcher.py_func)
-    except Exception: pass          # another Numba version: keep its default cache (correct, only slower to start)
 
 _DRIVERS = {'vnni': {mv: _make_driver('vnni', mv) for mv in (1, 2, 3, 4)}}
 

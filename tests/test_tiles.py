@@ -1,0 +1,89 @@
+"Module 02 part (d): the register-tiled convolution, on this CPU's widest vectors, on AVX2 code, and where it is missing."
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tinycomp.conv import conv2d_forward
+from tinycomp.errors import ShapeError
+from tinycomp.tiles import conv2d_tiled, pack_tiled_weights
+
+pytestmark = pytest.mark.module02
+
+
+@pytest.mark.parametrize('n,c,h,w,cout,k,stride,padding,dilation', [
+    (2, 3, 9, 7, 5, 3, 1, 1, 1), (3, 16, 8, 8, 32, 3, 2, 1, 1), (1, 4, 11, 11, 40, 3, 1, 2, 2), (2, 8, 6, 6, 16, 1, 1, 0, 1),
+    (1, 1, 28, 28, 16, 5, 1, 2, 1), (30, 2, 5, 5, 3, 3, 1, 1, 1), (1, 17, 3, 4, 33, 3, (2, 1), (0, 1), 1)])
+def test_the_tiled_conv_computes_what_conv2d_computes(n, c, h, w, cout, k, stride, padding, dilation, float_tiles):
+    rng = np.random.default_rng(cout)
+    x, wt = rng.standard_normal((n, c, h, w)).astype(np.float32), rng.standard_normal((cout, c, k, k)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    ref = conv2d_forward(x, wt, b, stride, padding, dilation)
+    packed = pack_tiled_weights(wt)
+    for _ in range(2):                                           # the second call reuses the offsets it remembered
+        got = conv2d_tiled(x, wt, b, stride, padding, dilation, packed=packed)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert len(packed.offsets) == 1
+
+
+def test_bad_shapes_are_refused(float_tiles):
+    wt = np.ones((4, 3, 3, 3), np.float32)
+    with pytest.raises(ShapeError, match='expects 3'): conv2d_tiled(np.ones((1, 2, 5, 5), np.float32), wt)
+    with pytest.raises(ShapeError, match='too small'): conv2d_tiled(np.ones((1, 3, 2, 2), np.float32), wt)
+    with pytest.raises(ShapeError, match='4-D weight'): pack_tiled_weights(np.ones((4, 3), np.float32))
+
+
+_CHILD = textwrap.dedent("""
+    import json, numpy as np
+    from tinycomp.tiles import FLOAT_LANES
+    from tinycomp.conv import conv2d_forward
+    from tinycomp.data import load_shipped
+    from tinycomp.deploy.runtime import freeze
+    from tinycomp.models import load_pretrained
+    from tinycomp.tensor import Tensor, no_grad
+    out = {'lanes': FLOAT_LANES}
+    X = load_shipped('mnist5k', 'test')[0][:16]
+    m = load_pretrained('resnet8')
+    f = freeze(m, X[:2])
+    with no_grad(): ref = m(Tensor(X)).data
+    out['err'] = float(np.abs(f.run(X) - ref).max() / np.abs(ref).max())
+    out['kinds'] = sorted({s.kind for s in f.steps if s.kind.startswith('conv')})
+    if FLOAT_LANES:
+        from tinycomp.tiles import conv2d_tiled
+        rng = np.random.default_rng(0)
+        x, w = rng.standard_normal((4, 8, 9, 9)).astype(np.float32), rng.standard_normal((12, 8, 3, 3)).astype(np.float32)
+        r = conv2d_forward(x, w, None, 1, 1)
+        out['tiled_err'] = float(np.abs(conv2d_tiled(x, w, None, 1, 1) - r).max() / np.abs(r).max())
+    else:
+        from tinycomp.tiles import pack_tiled_weights
+        try: pack_tiled_weights(np.ones((2, 2, 3, 3), np.float32))
+        except Exception as e: out['refused'] = str(e)
+    print(json.dumps(out))
+""")
+
+_HASWELL = '+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+cx16,+xsave'
+
+
+def _child(tmp_path, **env):
+    e = {**os.environ, 'NUMBA_CACHE_DIR': str(tmp_path / 'numba_cache'), 'NUMBA_NUM_THREADS': '1', **env}
+    r = subprocess.run([sys.executable, '-c', _CHILD], capture_output=True, text=True, env=e, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_avx2_kernel_compiled_for_a_haswell_computes_the_same(tmp_path, float_tiles):
+    got = _child(tmp_path, TINYCOMP_FLOAT_KERNEL='avx2', NUMBA_CPU_NAME='haswell', NUMBA_CPU_FEATURES=_HASWELL)
+    assert got['lanes'] == 8 and got['kinds'] == ['conv (register tiles)']
+    assert got['err'] < 1e-5 and got['tiled_err'] < 1e-5
+
+
+@pytest.mark.slow
+def test_without_the_kernel_the_runtime_uses_im2col_and_a_matrix_product(tmp_path):
+    got = _child(tmp_path, TINYCOMP_FLOAT_KERNEL='none')
+    assert got['lanes'] == 0 and got['kinds'] == ['conv (im2col + GEMM)'] and got['err'] < 1e-5
+    assert 'needs an x86 CPU with AVX2 and FMA' in got['refused']
