@@ -175,12 +175,18 @@ def _mbqm(x, m, s):
 
 @njit(parallel=True, cache=True)
 def _quantized_add2(a, b, za, zb, ma, ea, mb, eb, mo, eo, ozp, lo, ls, out):
-    "The int8 add of two flat arrays of one size into `out` (`quantized_add`'s steps, `ls` its left shift), element by element."
+    """The int8 add of two flat arrays of one size into `out` (`quantized_add`'s steps, `ls` its left shift), element by
+    element. An int8 input has 256 values, so each input's rescaled value is looked up in a table of 256 made first."""
+    ta, tb = np.empty(256, np.int64), np.empty(256, np.int64)
+    for v in range(256):
+        ta[v] = _mbqm((np.int64(v - 128) - za) << ls, ma, ea)
+        tb[v] = _mbqm((np.int64(v - 128) - zb) << ls, mb, eb)
     n, chunk = a.size, 8192
     for c in prange((n + chunk - 1) // chunk):
         for i in range(c * chunk, min(n, (c + 1) * chunk)):
-            total = _mbqm((np.int64(a[i]) - za) << ls, ma, ea) + _mbqm((np.int64(b[i]) - zb) << ls, mb, eb)
-            out[i] = min(max(_mbqm(total, mo, eo) + ozp, lo), 127)
+            k = np.uint64(i)
+            total = ta[np.uint64(np.int64(a[k]) + 128)] + tb[np.uint64(np.int64(b[k]) + 128)]
+            out[k] = min(max(_mbqm(total, mo, eo) + ozp, lo), 127)
     return out
 
 @njit(parallel=True, cache=True)
@@ -226,18 +232,26 @@ def _qmax_pool(xq, kh, kw, sh, sw, ph, pw, out):
     "Max over each window's positions inside the input (padding never wins)."
     n_, c_, h, w = xq.shape
     oh, ow = out.shape[2], out.shape[3]
-    for t in prange(n_ * c_):
-        n = t // c_
-        c = t % c_
+    xf, of = xq.reshape(-1), out.reshape(-1)
+    if (kh, kw, sh, sw, ph, pw) == (2, 2, 2, 2, 0, 0):    # the common case: no bounds to check
+        for t in prange(n_ * c_):
+            src, dst = t * h * w, t * oh * ow
+            for y in range(oh):
+                for xo in range(ow):
+                    k = np.uint64(src + 2 * y * w + 2 * xo)
+                    of[np.uint64(dst + y * ow + xo)] = max(max(xf[k], xf[k + 1]), max(xf[k + w], xf[k + w + 1]))
+        return out
+    for t in prange(n_ * c_):                      # one (sample, channel) plane each; flat, non-negative indices
+        src, dst = t * h * w, t * oh * ow
         for y in range(oh):
             ya, yb = max(y * sh - ph, 0), min(y * sh - ph + kh, h)
             for xo in range(ow):
                 xa, xb = max(xo * sw - pw, 0), min(xo * sw - pw + kw, w)
-                m = xq[n, c, ya, xa]
+                m = xf[np.uint64(src + ya * w + xa)]
                 for iy in range(ya, yb):
                     for ix in range(xa, xb):
-                        if xq[n, c, iy, ix] > m: m = xq[n, c, iy, ix]
-                out[n, c, y, xo] = m
+                        m = max(m, xf[np.uint64(src + iy * w + ix)])     # no branch to mispredict
+                of[np.uint64(dst + y * ow + xo)] = m
     return out
 
 def _check_qinput(xq, name):
