@@ -23,7 +23,7 @@ from ..quantization.kernels import _qavg_pool, _qconv_loops, _qmax_pool, _quanti
 from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
                                           QuantizedConv2d, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
-from ..tiles import _DRIVERS as _TILE_DRIVERS, FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_offsets
+from ..tiles import FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
 from .kernels import (_adaptive_avg_nhwc, _add_relu, _conv_direct_nhwc, _dequantize, _epilogue,
                                      _im2col_nhwc, _max_pool_nhwc, _quantize, _relu, nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
@@ -131,9 +131,8 @@ def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
             calls.append((pad_nhwc, (arrays[x], ph, pw, xp)))
         out = arrays[node.name].reshape(-1, cout)
         r = arrays[res].reshape(-1, cout) if res else out
-        serial, parallel = _TILE_DRIVERS
-        run = parallel if numba.get_num_threads() > 1 and out.shape[0] >= 4 * TILE_PIXELS[FLOAT_LANES] else serial
-        calls.append((run, (xp, packed.weights, base, koff, bias, r, res is not None, relu, out, arrays[node.name + '#tile'])))
+        calls.append((tile_driver(out.shape[0]), (xp, packed.weights, base, koff, bias, r, res is not None, relu, out,
+                                                  arrays[node.name + '#tile'], out.shape[0], 0)))
         return calls
     scratch = {'tile': (lambda b: (TILE_PIXELS[FLOAT_LANES] * FLOAT_LANES,), np.float32)}
     if padded: scratch['padded'] = (lambda b: (b, h + 2 * ph, w + 2 * pw, c), np.float32)
@@ -148,14 +147,23 @@ def _lower_fused_linear(ctx, node, m):
         c, h, w = ctx.values[v.view_of].shape             # a Flatten of NHWC data: reorder the weight's columns once
         wt = wt.reshape(-1, c, h, w).transpose(0, 2, 3, 1).reshape(wt.shape[0], -1)
     elif v.layout != 'flat': x = ctx.need(x, 'flat')
-    wp = np.ascontiguousarray(wt.T)
     bias = np.ascontiguousarray(m.bias.data, np.float32)
-    relu = m.activation == 'relu'
+    relu, (mo, k) = m.activation == 'relu', wt.shape
+    out_value = Value((mo,), np.dtype(np.float32))
+    wp = np.ascontiguousarray(wt.T)
+    packed, offsets = (pack_tiled_weights(wt.reshape(mo, k, 1, 1)) if FLOAT_LANES else None), {}
     def bind(arrays, batch):
         xa, out = arrays[x].reshape(batch, -1), arrays[node.name]
-        return [(np.matmul, (xa, wp, out)), (_epilogue, (out, bias, out, False, relu))]
-    return Step(node.name, 'linear (GEMM)', (x,), node.name, bind, flops=2 * wp.size), \
-        Value((m.out_features,), np.dtype(np.float32))
+        if packed is None or numba.get_num_threads() == 1:
+            return [(np.matmul, (xa, wp, out)), (_epilogue, (out, bias, out, False, relu))]
+        # with threads, a 1x1 convolution of a 1x1 image on the tiled kernel: a BLAS call would start BLAS's own
+        # threads, which keep spinning after it and starve Numba's (measured: 3-4x slower steps after each GEMM)
+        if batch not in offsets: offsets[batch] = tile_offsets(batch, 1, 1, k, 1, 1)[:2]
+        return [(tile_driver(batch), (xa, packed.weights, *offsets[batch], bias, out, False, relu, out,
+                                      arrays[node.name + '#tile'], batch, 0))]
+    scratch = {'tile': (lambda b: (TILE_PIXELS[FLOAT_LANES] * FLOAT_LANES,), np.float32)} if FLOAT_LANES else {}
+    kind = 'linear (GEMM; register tiles with threads)' if FLOAT_LANES else 'linear (GEMM)'
+    return Step(node.name, kind, (x,), node.name, bind, scratch, 2 * wt.size), out_value
 
 def _lower_flatten(ctx, node, m):
     x = node.inputs[0]
