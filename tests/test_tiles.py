@@ -39,13 +39,13 @@ def test_bad_shapes_are_refused(float_tiles):
 
 _CHILD = textwrap.dedent("""
     import json, numpy as np
-    from tinycomp.tiles import FLOAT_LANES
+    from tinycomp.tiles import FLOAT_LANES, VECTOR_LANES
     from tinycomp.conv import conv2d_forward
     from tinycomp.data import load_shipped
     from tinycomp.deploy.runtime import freeze
     from tinycomp.models import load_pretrained
     from tinycomp.tensor import Tensor, no_grad
-    out = {'lanes': FLOAT_LANES}
+    out = {'lanes': VECTOR_LANES}
     X = load_shipped('mnist5k', 'test')[0][:16]
     m = load_pretrained('resnet8')
     f = freeze(m, X[:2])

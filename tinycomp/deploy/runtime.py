@@ -134,7 +134,7 @@ def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
         calls.append((tile_driver(out.shape[0]), (xp, packed.weights, base, koff, bias, r, res is not None, relu, out,
                                                   arrays[node.name + '#tile'], out.shape[0], 0)))
         return calls
-    scratch = {'tile': (lambda b: (TILE_PIXELS[FLOAT_LANES] * FLOAT_LANES,), np.float32)}
+    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES,), np.float32)}
     if padded: scratch['padded'] = (lambda b: (b, h + 2 * ph, w + 2 * pw, c), np.float32)
     flops = 2 * oh * ow * cout * c * kh * kw
     return Step(node.name, 'conv (register tiles)', (x,) + ((res,) if res else ()), node.name, bind, scratch, flops)
@@ -161,7 +161,7 @@ def _lower_fused_linear(ctx, node, m):
         if batch not in offsets: offsets[batch] = tile_offsets(batch, 1, 1, k, 1, 1)[:2]
         return [(tile_driver(batch), (xa, packed.weights, *offsets[batch], bias, out, False, relu, out,
                                       arrays[node.name + '#tile'], batch, 0))]
-    scratch = {'tile': (lambda b: (TILE_PIXELS[FLOAT_LANES] * FLOAT_LANES,), np.float32)} if FLOAT_LANES else {}
+    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES,), np.float32)} if FLOAT_LANES else {}
     kind = 'linear (GEMM; register tiles with threads)' if FLOAT_LANES else 'linear (GEMM)'
     return Step(node.name, kind, (x,), node.name, bind, scratch, 2 * wt.size), out_value
 
