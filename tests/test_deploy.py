@@ -78,6 +78,28 @@ def test_a_flatten_of_an_image_permutes_the_linear_weights_once_and_an_image_out
     np.testing.assert_allclose(frozen.run(x), _eager(convs, x), rtol=0, atol=1e-5)
 
 
+def test_an_output_shares_a_dying_input_only_when_nothing_else_reads_it():
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        def forward(self, x):
+            y = self.a(x) + x                      # the 1x1 conv reads x while adding x: no sharing
+            z = (self.b(y) + y).relu()             # y dies here, read only through the padded copy: shared
+            return self.c(z) + z
+    model = Blocks().eval()
+    x = images(5, channels=4)
+    frozen = freeze(model, x[:2])
+    assert frozen.memory_shared() == {}                 # each residual is also its conv's input, still being read
+    np.testing.assert_allclose(frozen.run(x), _eager(model, x), rtol=0, atol=1e-5)
+    resnet = freeze(load_pretrained('resnet8'), _data('resnet8')[:2])
+    shared = resnet.memory_shared()
+    assert shared == {'layer1.conv2': 'conv1', 'layer2.downsample.0': 'layer2.conv2',      # residuals that die there
+                      'layer3.downsample.0': 'layer3.conv2', 'flatten': 'avgpool'}         # and a view
+    X = _data('resnet8')[:64]
+    np.testing.assert_allclose(resnet.run(X), _eager(load_pretrained('resnet8'), X), rtol=0, atol=1e-4)
+
+
 def test_fold_and_fuse_leave_a_shared_output_alone():
     class Shared(nn.Module):
         def __init__(self):

@@ -58,6 +58,7 @@ class Step:
     bind: object
     scratch: dict = field(default_factory=dict)      # {key: (shape function of the batch, dtype)}
     flops: object = None                             # FLOPs per batch row (for the profile), or None
+    inplace: str = None          # an input the kernel may overwrite with the output (each element read, then written)
 
 # %% ../../nbs/08d_runtime.ipynb #1b6883c9
 CHUNK_FLOATS = 1 << 16              # im2col rows per GEMM call: about this many floats (256 KiB, a core's L2 share)
@@ -137,7 +138,8 @@ def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
     scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES,), np.float32)}
     if padded: scratch['padded'] = (lambda b: (b, h + 2 * ph, w + 2 * pw, c), np.float32)
     flops = 2 * oh * ow * cout * c * kh * kw
-    return Step(node.name, 'conv (register tiles)', (x,) + ((res,) if res else ()), node.name, bind, scratch, flops)
+    return Step(node.name, 'conv (register tiles)', (x,) + ((res,) if res else ()), node.name, bind, scratch, flops,
+                inplace=res)        # the epilogue reads each residual value just before it writes that output value
 
 def _lower_fused_linear(ctx, node, m):
     x = node.inputs[0]
@@ -208,10 +210,10 @@ def _lower_elementwise(ctx, node, m):
     out = Value(v.shape, v.dtype, v.layout)
     if isinstance(m, ReLU):
         def bind(arrays, batch): return [(_relu, (arrays[xs[0]].reshape(-1), arrays[node.name].reshape(-1)))]
-        return Step(node.name, 'relu', tuple(xs), node.name, bind), out
+        return Step(node.name, 'relu', tuple(xs), node.name, bind, inplace=xs[0]), out
     def bind(arrays, batch):
         return [(_add_relu, (arrays[xs[0]].reshape(-1), arrays[xs[1]].reshape(-1), False, arrays[node.name].reshape(-1)))]
-    return Step(node.name, 'add', tuple(xs), node.name, bind), out
+    return Step(node.name, 'add', tuple(xs), node.name, bind, inplace=xs[0]), out
 
 # %% ../../nbs/08d_runtime.ipynb #efdbb0e3
 def _lower_quant_stub(ctx, node, m):
@@ -402,17 +404,42 @@ class InferenceModel(Module):
         entry = Step(self.graph.input_name, 'input (copied in)', (), self.graph.input_name, None)
         return _Program([entry] + list(self.steps), self.output, '(caller)')
 
+    def memory_shared(self) -> dict:
+        """{value: the value whose memory it uses}: a view (a Flatten) uses its source's; the output of a step that may
+        work in place uses that input's, when the input is read by nobody after this step (and is not the output)."""
+        program = self._program()
+        life, shared = dict(value_lifetimes(program)), {}
+        def root(name):
+            while name in shared: name = shared[name]
+            return name
+        for k, step in enumerate(program):
+            v = self.values.get(step.output)
+            if v is not None and v.view_of is not None: src = v.view_of
+            elif step.inplace is not None:
+                src, r = step.inplace, root(step.inplace)
+                same = (self.values[src].stored(1), self.values[src].dtype) == (v.stored(1), v.dtype)
+                read_twice = sum(root(i) == r for i in step.inputs) > 1        # conv(x) + x: x is still being read
+                if not same or read_twice or life[r][1] != k or r == self.output:
+                    continue
+            else: continue
+            r = root(src)
+            life[r] = (life[r][0], max(life[r][1], life[step.output][1]))
+            shared[step.output] = src
+        return shared
+
     def memory_plan(self, batch):
         "The MemoryPlan of the values (and the steps' scratch arrays) for `batch` rows."
-        program = self._program()
+        program, shared = self._program(), self.memory_shared()
         life = dict(value_lifetimes(program))
         sizes = {name: self.values[name].nbytes(batch) for name in life}
-        for name in list(life):                                   # a view lives in its source's memory
-            root = name
-            while self.values[root].view_of is not None: root = self.values[root].view_of
-            if root != name:
-                life[root] = (life[root][0], max(life[root][1], life.pop(name)[1]))
-                sizes.pop(name)
+        def root(name):
+            while name in shared: name = shared[name]
+            return name
+        for k, step in enumerate(program):                         # in order: a value's source comes first
+            if step.output in shared:
+                r = root(step.output)
+                life[r] = (life[r][0], max(life[r][1], life.pop(step.output)[1]))
+                sizes.pop(step.output)
         for k, step in enumerate(program):
             for key, (shape, dtype) in step.scratch.items():
                 life[f"{step.output}#{key}"] = (k, k)
@@ -433,8 +460,8 @@ class InferenceModel(Module):
             else: shape, dtype = self.values[name].stored(batch), self.values[name].dtype
             nbytes = int(np.prod(shape)) * dtype.itemsize
             arrays[name] = arena[base + off:base + off + nbytes].view(dtype).reshape(shape)
-        for name, v in self.values.items():
-            if v.view_of is not None and name not in arrays: arrays[name] = arrays[v.view_of].reshape(v.stored(batch))
+        for name, src in self.memory_shared().items():             # in step order: a source is bound first
+            arrays[name] = arrays[src].reshape(self.values[name].stored(batch))
         step_calls = [(s, s.bind(arrays, batch) if s.bind else []) for s in self.steps]
         if len(self._bound) >= MAX_BATCH_SIZES: self._bound.pop(next(iter(self._bound)))
         b = self._bound[batch, numba.get_num_threads()] = _Bound(plan, arena, arrays, [c for _, cs in step_calls for c in cs], step_calls)
