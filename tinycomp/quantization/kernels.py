@@ -191,12 +191,14 @@ def _quantized_add2(a, b, za, zb, ma, ea, mb, eb, mo, eo, ozp, lo, ls, out):
 
 @njit(parallel=True, cache=True)
 def _qconv_loops(xq, zx, wq, bias, mult, shift, ozp, qmin, qmax, sh, sw, ph, pw, dh, dw, groups, out):
-    "Direct integer conv2d: a parallel task per (n, co), int32 accumulators, requantization at the end."
+    """Direct integer conv2d: a parallel task per (n, co), int32 accumulators, requantization at the end. Flat indices
+    made unsigned, so Numba knows they are not negative-from-the-end and the inner loop compiles to vector code."""
     n_, c_, h, w = xq.shape
     cout, cg, kh, kw = wq.shape
     oh, ow = out.shape[2], out.shape[3]
     coutg = cout // groups
     zx32 = np.int32(zx)
+    xf, of = xq.reshape(-1), out.reshape(-1)
     for t in prange(n_ * cout):
         n = t // cout
         co = t % cout
@@ -204,7 +206,7 @@ def _qconv_loops(xq, zx, wq, bias, mult, shift, ozp, qmin, qmax, sh, sw, ph, pw,
         acc = np.empty(oh * ow, np.int32)
         acc[:] = bias[co]
         for cl in range(cg):
-            c = g * cg + cl
+            plane = (n * c_ + g * cg + cl) * h * w
             for i in range(kh):
                 for j in range(kw):
                     wv = np.int32(wq[co, cl, i, j])
@@ -213,17 +215,17 @@ def _qconv_loops(xq, zx, wq, bias, mult, shift, ozp, qmin, qmax, sh, sw, ph, pw,
                     for y in range(oh):
                         iy = y * sh - ph + i * dh
                         if iy >= 0 and iy < h:
-                            row = y * ow
-                            xrow = xq[n, c, iy]
+                            row, src = y * ow, plane + iy * w + off
                             if sw == 1:                  # contiguous: LLVM vectorizes this one
                                 for xo in range(x0, x1):
-                                    acc[row + xo] += wv * (np.int32(xrow[xo + off]) - zx32)
+                                    acc[np.uint64(row + xo)] += wv * (np.int32(xf[np.uint64(src + xo)]) - zx32)
                             else:
                                 for xo in range(x0, x1):
-                                    acc[row + xo] += wv * (np.int32(xrow[xo * sw + off]) - zx32)
+                                    acc[np.uint64(row + xo)] += wv * (np.int32(xf[np.uint64(src + xo * sw)]) - zx32)
+        dst = t * oh * ow
         for p in range(oh * ow):
-            v = _mbqm(acc[p], mult[co], shift[co]) + ozp
-            out[n, co, p // ow, p % ow] = min(max(v, qmin), qmax)
+            v = _mbqm(acc[np.uint64(p)], mult[co], shift[co]) + ozp
+            of[np.uint64(dst + p)] = min(max(v, qmin), qmax)
     return out
 
 # %% ../../nbs/04c_int8_kernels.ipynb #0675f5e1
