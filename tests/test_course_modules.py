@@ -73,14 +73,14 @@ def test_an_incomplete_module_is_reported(tmp_path):
     (root / 'README.md').write_text((ROOT / 'README.md').read_text())
     # a new module without declaration, student version or README row
     nb = read_notebook(ROOT / 'nbs' / '02a_conv.ipynb')
-    (root / 'nbs' / '08_new.ipynb').write_text(json.dumps(nb))
+    (root / 'nbs' / '09_new.ipynb').write_text(json.dumps(nb))
     # an exercise added to module 02 without checks
     cell = {'cell_type': 'code', 'metadata': {}, 'outputs': [], 'execution_count': None,
             'source': '#| export\ndef extra(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION'}
     nb['cells'].append(cell)
     (root / 'nbs' / '02a_conv.ipynb').write_text(json.dumps(nb))
     problems = '\n'.join(module_problems(root))
-    assert 'module 08: no declaration; create nbs/checks/08_new.ipynb' in problems
+    assert 'module 09: no declaration; create nbs/checks/09_new.ipynb' in problems
     assert "module 02: exercises" in problems and "'extra'" in problems and 'do not match the graded checks' in problems
     # a missing mutant and a missing student version
     decl = read_notebook(ROOT / 'nbs' / 'checks' / '01_tensor.ipynb')

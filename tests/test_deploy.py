@@ -179,6 +179,9 @@ def test_the_steady_state_allocates_no_array_and_the_arena_is_smaller_than_the_v
     assert large['peak_bytes'] < 65536                        # frames and argument objects; a conv output is 800 KB
     plan = frozen.memory_plan(64)
     assert plan.arena_bytes < 0.6 * plan.separate_bytes
+    q = freeze(quantize_static(load_pretrained('resnet8'), load_shipped('mnist5k', 'train')[0][:64]), X[:4])
+    small, large = (steady_state_allocations(q, X[:b]) for b in (1, 64))     # int8: the drivers' scratch is planned too
+    assert small['array_bytes'] == large['array_bytes'] == 0 and large['peak_bytes'] < 16384
 
 
 def test_bad_input_is_refused_with_what_to_do():

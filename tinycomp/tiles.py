@@ -160,8 +160,10 @@ def _make_driver(np_, lanes):
         xf, wf, of, rf = xp.reshape(-1), w.reshape(-1), out.reshape(-1), residual.reshape(-1)
         tiles = (p_ + np_ - 1) // np_
         per = 8
+        n = np_ * lanes
         for g in prange((tiles + per - 1) // per):
-            mine = np.empty(np_ * lanes, np.float32)
+            tid = numba.get_thread_id()       # each thread's own slice of `tile` (allocating here would cost every call)
+            mine = tile[tid * n:(tid + 1) * n]
             for b in range(g * per, min(tiles, (g + 1) * per)):
                 p1 = min(p_, (b + 1) * np_)
                 for cb in range(nblk):
@@ -266,10 +268,10 @@ def tile_driver(pixels):
 def run_tiles(xp, packed, base, koff, bias, out, residual=None, relu=False, tile=None):
     """The tiled convolution of the padded NHWC `xp` into `out`, with the epilogue: `bias` (Cout,) float32, an optional
     `residual` like `out`, an optional ReLU. `out` is NHWC rows (pixels, Cout) or NCHW (N, Cout, OH, OW). `tile`: a
-    (TILE_PIXELS * FLOAT_LANES,) float32 scratch array for one thread; with more Numba threads each makes its own."""
+    (TILE_PIXELS * FLOAT_LANES * threads,) float32 scratch array, a slice for each Numba thread."""
     nchw = out.ndim == 4
     pixels = out.shape[0] * out.shape[2] * out.shape[3] if nchw else out.shape[0]
-    if tile is None: tile = np.empty(TILE_PIXELS * FLOAT_LANES, np.float32)
+    if tile is None: tile = np.empty(TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(), np.float32)
     res = out if residual is None else residual
     tile_driver(pixels)(xp, packed.weights, base, koff, bias, res, residual is not None, relu, out, tile, pixels,
                         out.shape[2] * out.shape[3] if nchw else 0)

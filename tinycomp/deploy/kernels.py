@@ -203,3 +203,13 @@ def _dequantize(q, scale, zero_point, out):
     "DeQuantStub's `(q - zero_point) * scale` into float32 `out`, flat."
     for k in range(out.size):
         out[k] = np.float32(np.int64(q[k]) - zero_point) * scale
+
+@njit(cache=True)
+def _all_finite(a) -> bool:
+    "No NaN or infinity in the flat float array `a` (without the boolean array `np.isfinite(a).all()` would allocate)."
+    for k in range(a.size):
+        v = a[k]
+        if not (v - v == 0):                      # NaN - NaN and inf - inf are NaN
+            return False
+    return True
+

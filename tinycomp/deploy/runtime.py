@@ -24,7 +24,7 @@ from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiv
                                           QuantizedConv2d, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
 from ..tiles import FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
-from .kernels import (_adaptive_avg_nhwc, _add_relu, _conv_direct_nhwc, _dequantize, _epilogue,
+from .kernels import (_adaptive_avg_nhwc, _add_relu, _all_finite, _conv_direct_nhwc, _dequantize, _epilogue,
                                      _im2col_nhwc, _max_pool_nhwc, _quantize, _relu, nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
 from .passes import FLOAT_PASSES, FusedConv2d, FusedLinear, optimize
@@ -33,9 +33,7 @@ from .passes import FLOAT_PASSES, FusedConv2d, FusedLinear, optimize
 @dataclass
 class Value:
     "How the runtime stores one value: the shape without the batch, the dtype, the layout ('nchw', 'nhwc' or 'flat')."
-    shape: tuple
-    dtype: np.dtype
-    layout: str = 'flat'
+    shape: tuple; dtype: np.dtype; layout: str = 'flat'               # noqa: E702
     view_of: str = None          # the value whose memory this one reads (a Flatten): no bytes of its own
 
     def stored(self, batch) -> tuple:
@@ -51,11 +49,7 @@ class Value:
 class Step:
     """One step of a frozen model: `bind(arrays, batch)` returns the calls `[(function, args), ...]` that compute
     `output` from `inputs` with the arrays of a plan (`arrays[name]`, scratch arrays under `name + '#' + key`)."""
-    name: str
-    kind: str
-    inputs: tuple
-    output: str
-    bind: object
+    name: str; kind: str; inputs: tuple; output: str; bind: object    # noqa: E702
     scratch: dict = field(default_factory=dict)      # {key: (shape function of the batch, dtype)}
     flops: object = None                             # FLOPs per batch row (for the profile), or None
     inplace: str = None          # an input the kernel may overwrite with the output (each element read, then written)
@@ -135,7 +129,7 @@ def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
         calls.append((tile_driver(out.shape[0]), (xp, packed.weights, base, koff, bias, r, res is not None, relu, out,
                                                   arrays[node.name + '#tile'], out.shape[0], 0)))
         return calls
-    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES,), np.float32)}
+    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(),), np.float32)}   # one per thread
     if padded: scratch['padded'] = (lambda b: (b, h + 2 * ph, w + 2 * pw, c), np.float32)
     flops = 2 * oh * ow * cout * c * kh * kw
     return Step(node.name, 'conv (register tiles)', (x,) + ((res,) if res else ()), node.name, bind, scratch, flops,
@@ -163,7 +157,7 @@ def _lower_fused_linear(ctx, node, m):
         if batch not in offsets: offsets[batch] = tile_offsets(batch, 1, 1, k, 1, 1)[:2]
         return [(tile_driver(batch), (xa, packed.weights, *offsets[batch], bias, out, False, relu, out,
                                       arrays[node.name + '#tile'], batch, 0))]
-    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES,), np.float32)} if FLOAT_LANES else {}
+    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(),), np.float32)} if FLOAT_LANES else {}
     kind = 'linear (GEMM; register tiles with threads)' if FLOAT_LANES else 'linear (GEMM)'
     return Step(node.name, kind, (x,), node.name, bind, scratch, 2 * wt.size), out_value
 
@@ -268,8 +262,14 @@ def _lower_quantized_conv(ctx, node, m):
         run = parallel if ge['macs'] >= _int8.PARALLEL_MACS and numba.get_num_threads() > 1 else serial
         return [(run, (xa.view(np.uint8), rq['flip'], rq['add'], rq['padv'], ph, pw, packed.shape[1], packed.cgp,
                        arrays[node.name + '#packed'], packed.weights, ge['base'], ge['obase'], ge['koff'], rq['lp'],
-                       rq['zp'], rq['qmin'], rq['qmax'], groups, cout // groups, oh * ow, out.view(np.uint8)))]
-    scratch = {} if packed.level == 'loops' else {'packed': (lambda b: entry(b)['xpshape'], lambda b: entry(b)['xpdtype'])}
+                       rq['zp'], rq['qmin'], rq['qmax'], groups, cout // groups, oh * ow, out.view(np.uint8),
+                       arrays[node.name + '#tile'], arrays[node.name + '#r8']))]
+    scratch = {}
+    if packed.level != 'loops':
+        n = _int8.driver_scratch(packed.level, packed.mv)      # per thread: the parallel driver takes a slice each
+        scratch = {'packed': (lambda b: entry(b)['xpshape'], lambda b: entry(b)['xpdtype']),
+                   'tile': (lambda b: (n * numba.get_num_threads(),), np.int32),
+                   'r8': (lambda b: (n * numba.get_num_threads(),), np.uint8)}
     macs = int(np.prod(oshape)) * int(np.prod(packed.shape[1:]))
     kind = f"int8 {'linear' if linear else 'conv'} ({_int8.kernel_name(packed.level)})"
     out = Value((cout,) if linear else tuple(oshape), np.dtype(np.int8), 'flat' if linear else 'nchw')
@@ -478,7 +478,7 @@ class InferenceModel(Module):
         b = self._bound.get((a.shape[0], numba.get_num_threads())) or self._bind(a.shape[0])
         inp = b.arrays[self.graph.input_name]
         np.copyto(inp, a, casting='same_kind')
-        if self.exact and not np.isfinite(inp).all():
+        if self.exact and not _all_finite(inp.reshape(-1)):
             raise TinycompError("the input holds NaN or infinite values; they have no int8 value")
         return b
 
