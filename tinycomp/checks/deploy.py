@@ -112,12 +112,12 @@ def _run_fuse(kind):
 # %% ../../nbs/checks/08_deploy.ipynb #e649f45b
 def _lifetime_inputs(kind):
     def make(rng):
-        n = int(rng.integers(6, 11))
+        n = int(rng.integers(8, 15))
         reads = np.full((n, 2), -2, np.int64)                   # -1: the graph's input, -2: no second input
         for k in range(n):
             if kind == 'chain': reads[k, 0] = k - 1
             else: reads[k, 0] = int(rng.integers(-1, k))
-            if rng.random() < 0.4: reads[k, 1] = int(rng.integers(-1, k))
+            if rng.random() < 0.5: reads[k, 1] = int(rng.integers(-1, k))
         reads[n - 1, 0] = n - 3                                  # the last node reads the one two places back
         output = int(rng.integers(n // 2, n - 1))                # never the last node
         return {'reads': reads, 'output': np.array(output, np.int64)}
