@@ -215,6 +215,9 @@ class Child:
         self.channel, self.answers, self.tree = Channel(r), cw, tree
         self.clock, self._closing = TreeClock(self.proc.pid, tree), threading.Lock()
         with _LIVE_LOCK: _LIVE.add(self)
+        if _STOPPED.is_set():         # stopped while this child started: stop_children may have missed it
+            self.close()
+            raise GradingError("grading was interrupted")
 
     def answer(self, header: dict) -> bool:
         "Send an answer to an oracle call; False when the pipe is full (the child does not read its answers)."
