@@ -17,6 +17,7 @@ from tinycomp.distillation import tiny_cnn
 from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.models import load_pretrained
 from tinycomp.nn.modules import Module
+from tinycomp.profiling.timing import using_threads
 from tinycomp.tensor import manual_seed
 
 pytestmark = pytest.mark.module07
@@ -184,6 +185,34 @@ def test_benchmark_measures_everything(tiny, digits):
     json.dumps(r.to_dict())
     assert 'compliance: passed' in r.table()
     with pytest.raises(TinycompError, match='not 64'): r.row(64)
+
+
+def test_deployed_times_the_frozen_model(digits, monkeypatch):
+    from tinycomp.deploy.runtime import InferenceModel, freeze
+    X, y = digits
+    model = load_pretrained('digits_cnn')
+    calls = []
+    run = InferenceModel.run
+    monkeypatch.setattr(InferenceModel, 'run', lambda self, x, out=None: calls.append(len(x)) or run(self, x, out))
+    r = benchmark(model, digits, batch_sizes=(1, 8), rounds=2, calls=2, deployed=True)
+    assert r.settings['deployed'] and 'frozen for deployment' in r.table()
+    assert sum(1 for b in calls if b == 8) >= 2 * (1 + 2)                # every timed call (and its warm-up) ran frozen
+    assert (r.params, r.file_bytes) == (parameter_counts(model)[0], model_size(model))   # the model's, not the graph's
+    with using_threads(1):                                          # the plan's scratch arrays depend on the threads
+        assert r.peak_memory_mb[8] == freeze(model, X[:8]).memory_plan(8).arena_bytes / 1e6 > 0
+    assert r.compliance['passed'] and (r.predictions == predict(model, X).argmax(1)).all()
+    eager = benchmark(model, digits, batch_sizes=(1,), **FAST)
+    assert not eager.settings['deployed'] and 'frozen' not in eager.table()
+    c = compare(('float32', model), {'twin': copy.deepcopy(model)}, digits, batch_sizes=(1,), deployed=True, **FAST)
+    assert 'every model frozen for deployment' in c.table()
+
+
+def test_a_model_that_cannot_be_frozen_is_named(digits):
+    class Noisy(Module):                                   # a different answer on every call: freezing must refuse it
+        def __init__(self, inner): super().__init__(); self.inner = inner
+        def forward(self, x): return self.inner(x) + float(np.random.default_rng().random())
+    with pytest.raises(TinycompError, match="noisy cannot be frozen for deployment"):
+        benchmark(Noisy(load_pretrained('digits_cnn')), digits, name='noisy', deployed=True, **FAST)
 
 
 @pytest.mark.parametrize('kw, message', [(dict(batch_sizes=()), 'batch_sizes'), (dict(batch_sizes=(0,)), 'batch_sizes'),

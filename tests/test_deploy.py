@@ -55,6 +55,12 @@ def test_the_frozen_model_computes_what_the_model_does(name, precision):
     assert {b for b, _ in frozen._bound} == {4, 1, 7, 64}       # (4: the check at freeze time)
 
 
+def test_an_int8_model_runs_batches_of_256_rows_and_more():
+    X = _data('digits_cnn')             # the int8 kernels' uint8 scratch was once sized by calling np.uint8 on the batch
+    model = quantize_static(load_pretrained('digits_cnn'), load_shipped('digits', 'train')[0][:256])
+    assert np.array_equal(freeze(model, X[:4]).run(X[:300]), _eager(model, X[:300]))
+
+
 def test_layers_without_a_kernel_run_eagerly_and_layouts_change_only_where_needed():
     for model in (trained_like(BranchyNet()), trained_like(QuantizableNet())):
         x = images(6, seed=3)

@@ -453,6 +453,23 @@ def test_close_remove_and_history(tmp_path, files):
     assert 'final ranking on the private part' in lb.render_page(s)
 
 
+def test_a_task_can_time_the_models_frozen_for_deployment(tmp_path, files, capsys):
+    s = make_store(tmp_path, files, deployed=True)
+    a = s.accept(s.issue_token('ann'), files['float'].read_bytes())
+    assert lb.measure_next(s) == a['id'] and s.submission(a['id'])['status'] == 'measured'
+    raw = json.loads(s.query("SELECT raw FROM measurements WHERE submission_id = ?", (a['id'],))[0]['raw'])
+    assert all(r['settings']['deployed'] for r in raw['results'].values())
+    board = s.leaderboard()
+    assert board['deployed'] and 'frozen for deployment' in lb.format_leaderboard(board)
+    assert 'frozen for deployment' in lb.render_page(s)
+    (tmp_path / 'eager').mkdir()
+    assert not make_store(tmp_path / 'eager', files).leaderboard()['deployed']
+    db = str(tmp_path / 'cli.db')
+    assert main(['leaderboard', 'init', '--db', db, '--task-data', str(files['task']), '--baseline',
+                 str(files['baseline']), '--deployed']) == 0
+    assert lb.open_store(db).settings['deployed'] is True
+
+
 def test_a_job_left_measuring_is_measured_again_and_a_crashing_one_fails(tmp_path, files):
     s = make_store(tmp_path, files, max_attempts=2)
     tok = s.issue_token('ann')

@@ -280,7 +280,7 @@ class BenchmarkResult:
                 ('mem', 'peak MB', '.3f')]
         lo, hi = self.accuracy_ci
         c = self.compliance
-        lines = [f"{self.name}: accuracy {self.accuracy:.2%} (95% Wilson CI {lo:.2%} to {hi:.2%}, {self.n_test} samples); "
+        lines = [f"{self.name}{' (frozen for deployment)' if self.settings.get('deployed') else ''}: accuracy {self.accuracy:.2%} (95% Wilson CI {lo:.2%} to {hi:.2%}, {self.n_test} samples); "
                  f"{self.params:,} parameters ({self.nonzero_params:,} nonzero); " +
                  (f"file {self.file_bytes:,} bytes, {self.bits_per_param:.2f} bits per parameter" if self.file_bytes
                   else "no file size (tinycomp.io cannot save one of its layers)"), format_table(rows, cols),
@@ -305,14 +305,25 @@ def _check_count(name, v, low=1):
         raise TinycompError(f"{name} must be a whole number of at least {low}, got {v!r}")
     return int(v)
 
-def _measure(models, data, batch_sizes, rounds, calls, seed, threads, memory=True) -> dict:
-    "Measure every model in `models` ({name: model}) in one interleaved run; {name: BenchmarkResult}."
+def _frozen(models, X) -> dict:
+    "Every model frozen for deployment (module 08's `freeze`, checked against the model on a few test samples)."
+    from tinycomp.deploy.runtime import freeze
+    frozen = {}
+    for k, m in models.items():
+        try: frozen[k] = freeze(m, X[:8])
+        except TinycompError as e: raise type(e)(f"{k} cannot be frozen for deployment: {e}") from None
+    return frozen
+
+def _measure(models, data, batch_sizes, rounds, calls, seed, threads, memory=True, deployed=False) -> dict:
+    """Measure every model in `models` ({name: model}) in one interleaved run; {name: BenchmarkResult}. With `deployed`
+    the frozen models are timed (and their arena is the peak memory); parameters and file bytes are the models'."""
     X, y = _check_data(data)
     batch_sizes = _check_batch_sizes(batch_sizes)
     rounds, calls = _check_count('rounds', rounds, 2), _check_count('calls', calls)
     rng = np.random.default_rng(seed)
     with using_threads(threads), _restoring_modes(models):
         env = environment()
+        originals, models = models, (_frozen(models, X) if deployed else models)
         logits = {}
         for k, m in models.items():
             try: logits[k] = predict(m, X)
@@ -336,9 +347,10 @@ def _measure(models, data, batch_sizes, rounds, calls, seed, threads, memory=Tru
                               visit_min_s=float(np.median(mins)), cv=s['cv'], noisy=bool(s['cv'] > 0.10),
                               ci_low_s=s['ci_low'], ci_high_s=s['ci_high'], throughput=b / s['median'],
                               samples_s=ts, visit_minima_s=mins)
-            mem = {b: (peak_memory_mb(m, _batches(X, b, 1)[0][0]) if memory else None) for b in batch_sizes}
-            n, nz = parameter_counts(m)
-            size = _file_size_or_none(m)
+            mem = {b: (None if not memory else m.memory_plan(b).arena_bytes / 1e6 if deployed else
+                       peak_memory_mb(m, _batches(X, b, 1)[0][0])) for b in batch_sizes}
+            n, nz = parameter_counts(originals[k])
+            size = _file_size_or_none(originals[k])
             mismatches = int(sum(timing[b][k][2] for b in batch_sizes))
             compliance = dict(predictions_match=mismatches == 0, timed_mismatches=mismatches, repeat_ratio=repeat[k],
                               repeat_ok=repeat[k] <= REPEAT_TOLERANCE)
@@ -347,7 +359,8 @@ def _measure(models, data, batch_sizes, rounds, calls, seed, threads, memory=Tru
             correct = int(np.count_nonzero(pred == y))
             results[k] = BenchmarkResult(k, correct / len(y), wilson_interval(correct, len(y)), len(y), pred, lat, mem,
                                          n, nz, size, None if size is None else 8 * size / max(n, 1), compliance, env,
-                                         dict(rounds=rounds, calls=calls, seed=seed, batch_sizes=batch_sizes))
+                                         dict(rounds=rounds, calls=calls, seed=seed, batch_sizes=batch_sizes,
+                                              deployed=deployed))
     return results
 
 @contextlib.contextmanager
@@ -359,14 +372,16 @@ def _restoring_modes(models):
     finally:
         for k, m in models.items(): m.train(modes[k])
 
-def benchmark(model, data, batch_sizes=(1, 64), name=None, rounds=20, calls=5, seed=0, threads=1, memory=True) -> BenchmarkResult:
+def benchmark(model, data, batch_sizes=(1, 64), name=None, rounds=20, calls=5, seed=0, threads=1, memory=True,
+              deployed=False) -> BenchmarkResult:
     """Measure `model` on `data` = (X_test, y_test): accuracy (Wilson 95 % CI), latency per batch size in `rounds`
     rounds of `calls` timed calls after an untimed one (median, p90, p99, bootstrap CI of the median, per-visit
     minima, CV flagged above 10 %, throughput), peak memory, parameters, file bytes, bits per parameter, compliance
     and the environment. `threads`: Numba/BLAS threads while measuring (default 1, see "Threads" below), recorded in
-    the environment; the previous thread counts are restored afterwards."""
+    the environment; the previous thread counts are restored afterwards. `deployed`: time the model frozen for
+    deployment (module 08's `freeze`) instead, the deployment latency; its peak memory is then its planned arena."""
     name = name or type(model).__name__
-    return _measure({name: model}, data, batch_sizes, rounds, calls, seed, threads, memory)[name]
+    return _measure({name: model}, data, batch_sizes, rounds, calls, seed, threads, memory, deployed)[name]
 
 # %% ../../nbs/07a_benchmarking.ipynb #8610dcdd
 CONVENTIONS = ("speedup = baseline latency / candidate latency (>1 = faster; 'speedup' compares medians of all timed "
@@ -435,6 +450,7 @@ class Comparison:
         base = self.results[self.baseline]
         lines = [f"against {self.baseline}, {base.n_test} test samples, {base.settings['rounds']} interleaved rounds of "
                  f"{base.settings['calls']} calls per model and batch size, {base.environment['threads']['numba']} thread(s), "
+                 f"{'every model frozen for deployment, ' if base.settings.get('deployed') else ''}"
                  f"{base.environment['cpu']}", format_table(table, cols), CONVENTIONS]
         if any(any(r['noisy'].values()) for r in self.rows):
             lines.append("* coefficient of variation above 10 %: the machine was busy; trust the 'min' column more, "
@@ -454,15 +470,15 @@ class Comparison:
                     results={k: r.to_dict() for k, r in self.results.items()})
 
 def compare(baseline, candidates, data, batch_sizes=(1, 64), rounds=20, calls=5, seed=0, threads=1,
-            memory=True) -> Comparison:
+            memory=True, deployed=False) -> Comparison:
     """Measure `baseline` (a model, or a (name, model) pair) and `candidates` ({name: model}) on `data` = (X, y) in one
     interleaved run (a random model order in every round), and compare each with the baseline: Δaccuracy with a
     paired CI and McNemar's p, compression = baseline bytes / candidate bytes, speedup = baseline latency / candidate
-    latency with a bootstrap CI (> 1 is faster). `threads` as in `benchmark` (default 1)."""
+    latency with a bootstrap CI (> 1 is faster). `threads` and `deployed` as in `benchmark`."""
     base_name, base_model = baseline if isinstance(baseline, tuple) else ('baseline', baseline)
     if not isinstance(candidates, dict) or not candidates:
         raise TinycompError("candidates must be a non-empty dict {name: model}")
     if base_name in candidates: raise TinycompError(f"a candidate is named {base_name!r} like the baseline; rename it")
     models = {base_name: base_model, **candidates}
-    results = _measure(models, data, batch_sizes, rounds, calls, seed, threads, memory)
+    results = _measure(models, data, batch_sizes, rounds, calls, seed, threads, memory, deployed)
     return Comparison(base_name, results, _check_data(data)[1], seed)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CHUNK_FLOATS', 'LOWERINGS', 'MAX_BATCH_SIZES', 'Value', 'Step', 'InferenceModel', 'freeze',
-           'steady_state_allocations', 'pass_by_pass', 'ort_profile']
+           'steady_state_allocations', 'ort_profile']
 
 # %% ../../nbs/08d_runtime.ipynb #825154b6
 import time
@@ -50,9 +50,15 @@ class Step:
     """One step of a frozen model: `bind(arrays, batch)` returns the calls `[(function, args), ...]` that compute
     `output` from `inputs` with the arrays of a plan (`arrays[name]`, scratch arrays under `name + '#' + key`)."""
     name: str; kind: str; inputs: tuple; output: str; bind: object    # noqa: E702
-    scratch: dict = field(default_factory=dict)      # {key: (shape function of the batch, dtype)}
+    scratch: dict = field(default_factory=dict)      # {key: (shape function of the batch, dtype or its function)}
     flops: object = None                             # FLOPs per batch row (for the profile), or None
     inplace: str = None          # an input the kernel may overwrite with the output (each element read, then written)
+
+    def scratch_array(self, key, batch) -> tuple:
+        "(shape, dtype) of scratch array `key` for `batch` rows."
+        shape, dtype = self.scratch[key]
+        is_function = callable(dtype) and not isinstance(dtype, type)     # np.uint8 is callable too: a type, not a rule
+        return tuple(shape(batch)), np.dtype(dtype(batch) if is_function else dtype)
 
 # %% ../../nbs/08d_runtime.ipynb #1b6883c9
 CHUNK_FLOATS = 1 << 16              # im2col rows per GEMM call: about this many floats (256 KiB, a core's L2 share)
@@ -441,9 +447,10 @@ class InferenceModel(Module):
                 life[r] = (life[r][0], max(life[r][1], life.pop(step.output)[1]))
                 sizes.pop(step.output)
         for k, step in enumerate(program):
-            for key, (shape, dtype) in step.scratch.items():
+            for key in step.scratch:
+                shape, dtype = step.scratch_array(key, batch)
                 life[f"{step.output}#{key}"] = (k, k)
-                sizes[f"{step.output}#{key}"] = int(np.prod(shape(batch))) * np.dtype(dtype(batch) if callable(dtype) else dtype).itemsize
+                sizes[f"{step.output}#{key}"] = int(np.prod(shape)) * dtype.itemsize
         return plan_memory(life, sizes)
 
     def _bind(self, batch):
@@ -453,13 +460,9 @@ class InferenceModel(Module):
         arrays = {}
         for name, off in plan.offsets.items():
             step_out, _, key = name.partition('#')
-            if key:
-                step = next(s for s in self.steps if s.output == step_out)
-                shape, dtype = step.scratch[key]
-                shape, dtype = shape(batch), np.dtype(dtype(batch) if callable(dtype) else dtype)
-            else: shape, dtype = self.values[name].stored(batch), self.values[name].dtype
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            arrays[name] = arena[base + off:base + off + nbytes].view(dtype).reshape(shape)
+            shape, dtype = (next(s for s in self.steps if s.output == step_out).scratch_array(key, batch) if key else
+                            (self.values[name].stored(batch), np.dtype(self.values[name].dtype)))
+            arrays[name] = arena[base + off:][:int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
         for name, src in self.memory_shared().items():             # in step order: a source is bound first
             arrays[name] = arrays[src].reshape(self.values[name].stored(batch))
         step_calls = [(s, s.bind(arrays, batch) if s.bind else []) for s in self.steps]
@@ -559,19 +562,6 @@ def steady_state_allocations(frozen, x, calls=20) -> dict:
         if started: tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, 'filename'))
     return dict(array_bytes=int(max(grown, 0)), peak_bytes=int(peak), calls=calls)
-
-# %% ../../nbs/08d_runtime.ipynb #01a19e6a
-def pass_by_pass(model, X, y, batch_sizes=(1, 64), rounds=10, calls=5):
-    """Module 07's `compare` of `model` run eagerly against it frozen with the passes of `FLOAT_PASSES` added one at a
-    time (Dropout removal and the fused layers first, which the lowering needs)."""
-    from tinycomp.benchmarking.harness import compare
-    from tinycomp.deploy.passes import fold_batchnorms, fuse_residual_adds, remove_identities, use_fused_layers
-    stages = [('kernels + arena', (remove_identities, use_fused_layers)),
-              ('+ BatchNorm folded', (remove_identities, fold_batchnorms, use_fused_layers)),
-              ('+ adds fused', (remove_identities, fold_batchnorms, use_fused_layers, fuse_residual_adds)),
-              ('+ ReLU fused = freeze', FLOAT_PASSES)]
-    frozen = {name: freeze(model, X[:4], passes) for name, passes in stages}
-    return compare(('eager', model), frozen, (X, y), batch_sizes, rounds, calls, memory=False)
 
 # %% ../../nbs/08d_runtime.ipynb #39056215
 def ort_profile(model, x, repeats=20, threads=1) -> list:

@@ -39,7 +39,8 @@ def format_submission(sub) -> str:
 
 def format_leaderboard(lb) -> str:
     "The tracks as text tables."
-    lines = [f"{lb['task']}: {'closed' if lb['closed'] else 'open'}, {lb['split']} scores on {lb['samples']} samples",
+    lines = [f"{lb['task']}: {'closed' if lb['closed'] else 'open'}, {lb['split']} scores on {lb['samples']} samples"
+             f"{', latency of the models frozen for deployment' if lb.get('deployed') else ''}",
              SCORE_FORMULA, '', 'closed track']
     lines.append(f"{'rank':>4}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'compr.':>8}{'score':>8}  date")
     for r in lb['tracks']['closed']:
@@ -89,6 +90,7 @@ def _run_lb(args) -> int:
         if args.task_data is not None and args.task is not None: raise TinycompError("give --task or --task-data, not both")
         existed = Path(args.db).exists()
         settings = {k: v for k, v in (('rate_per_day', args.rate), ('rounds', args.rounds)) if v is not None}
+        if args.deployed: settings['deployed'] = True
         try:
             store = open_store(args.db, create=True)
             task = (dict(shipped=args.task or 'digits') if args.task_data is None else
@@ -184,6 +186,8 @@ def add_leaderboard_cli(subparsers):
     p.add_argument('--name', help='the task name (with --task-data)')
     p.add_argument('--rate', type=int, metavar='N', help=f"submissions per participant per 24 h (default {DEFAULT_SETTINGS['rate_per_day']}; 0: no limit)")
     p.add_argument('--rounds', type=int, metavar='N', help=f"harness rounds per job (default {DEFAULT_SETTINGS['rounds']})")
+    p.add_argument('--deployed', action='store_true', help='time the baseline and every entry frozen for deployment '
+                   '(BatchNorm folded, activations fused, buffers planned: the deployment latency) instead of as loaded')
     p = action('token', "register a participant and print their token (shown once)",
                "Register a participant under a display name and print their token. Only the token's sha256 is "
                "stored, so it cannot be shown again: give it to them privately.")

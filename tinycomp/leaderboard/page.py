@@ -107,7 +107,8 @@ def render_page(store, private=None) -> str:
     parts = []
     status = 'closed: final ranking on the private part' if lb['closed'] else 'open: public part of the evaluation set'
     parts.append(f"<header><h1>Leaderboard: {_e(lb['task'])}</h1><p class=\"meta\">Competition {_e(status)} "
-                 f"({lb['samples']} {_e(lb['split'])} samples; baseline {_e(lb['baseline']['name'])}). "
+                 f"({lb['samples']} {_e(lb['split'])} samples; baseline {_e(lb['baseline']['name'])}"
+                 f"{'; latencies of the models frozen for deployment' if lb.get('deployed') else ''}). "
                  f"Page made {_e(_iso(_now()))}. Every number was measured by the organiser's worker; "
                  "nothing a participant sent was taken on trust.</p></header>")
     # closed track

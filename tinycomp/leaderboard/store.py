@@ -154,6 +154,7 @@ DEFAULT_SETTINGS = dict(
     time_budget_s=300.0,            # wall time of one measurement job, process start included
     rounds=20, calls=5,             # the harness: interleaved rounds, timed calls per visit
     batch_sizes=[1, 64],
+    deployed=False,                 # time both models frozen for deployment (module 08's `freeze`): deployment latency
     max_attempts=3,                 # a job that kills its worker this often is marked failed
     isolate=True)                   # measure in a child process (hard time budget); False: in the worker itself
 

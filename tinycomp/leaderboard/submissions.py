@@ -104,14 +104,14 @@ def _public_row(e) -> dict:
 
 def _leaderboard(self, private=None) -> dict:
     """The ranked tracks: {'task', 'closed', 'private', 'formula', 'rules', 'tracks': {'closed': rows, 'open': rows},
-    'unranked': rows, 'baseline': {...}}. `private=None`: public scores while open, private once closed."""
+    'unranked': rows, 'baseline': {...}, 'deployed': whether latencies are of the models frozen for deployment}. `private=None`: public scores while open, private once closed."""
     mask, private = self._subset(private)
     entries = self.entries(private)
     ranked = rank_entries(entries)
     t = self.task()
     return dict(task=t['name'], closed=self.closed, private=private, split='private' if private else 'public',
                 samples=int(mask.sum()), formula=SCORE_FORMULA, rules=RULES, objectives=list(OPEN_OBJECTIVES),
-                baseline=dict(name=t['baseline_name']),
+                baseline=dict(name=t['baseline_name']), deployed=bool(self.settings['deployed']),
                 tracks={k: [_public_row(e) for e in ranked[k]] for k in ('closed', 'open')},
                 unranked=[_public_row(e) for e in ranked['unranked']])
 

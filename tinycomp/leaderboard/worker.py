@@ -31,7 +31,8 @@ def _measure_payload(p) -> dict:
             path.write_bytes(p[k])
             models[k] = tio.load(path, max_bytes=p['max_unpacked_bytes']).eval()
     comp = compare(('baseline', models['baseline']), {'submission': models['submission']}, (p['X'], p['y']),
-                   batch_sizes=tuple(p['batch_sizes']), rounds=p['rounds'], calls=p['calls'], seed=p['seed'], threads=1)
+                   batch_sizes=tuple(p['batch_sizes']), rounds=p['rounds'], calls=p['calls'], seed=p['seed'], threads=1,
+                   deployed=bool(p.get('deployed', False)))
     d = comp.to_dict()
     return dict(results=d['results'], conventions=d['conventions'], seconds=time.perf_counter() - started)
 
@@ -122,6 +123,7 @@ def measure_next(store, isolate=None) -> int | None:
             data = c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
         payload = dict(baseline=task['baseline'], submission=data, X=task['inputs'], y=task['labels'],
                        batch_sizes=s['batch_sizes'], rounds=int(s['rounds']), calls=int(s['calls']), seed=int(sid),
+                       deployed=bool(s['deployed']),
                        max_unpacked_bytes=int(s['max_unpacked_bytes']))
         t0 = time.perf_counter()
         raw, reason = None, None
