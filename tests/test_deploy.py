@@ -61,6 +61,47 @@ def test_an_int8_model_runs_batches_of_256_rows_and_more():
     assert np.array_equal(freeze(model, X[:4]).run(X[:300]), _eager(model, X[:300]))
 
 
+class ClampNet(nn.Module):
+    "ReLU6 and a Hardtanh after a conv, a depthwise conv, a residual conv and a linear layer (fused), and one after a pool (not)."
+    def __init__(self):
+        super().__init__()
+        self.conv, self.dw, self.pw = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 8, 1)
+        self.a1, self.a2, self.a3, self.a4 = nn.ReLU6(), nn.Hardtanh(-0.5, 1.5), nn.ReLU6(), nn.ReLU6()
+        self.pool, self.flat, self.fc, self.a5 = nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 16, 10), nn.Hardtanh(-2.0, 2.0)
+    def forward(self, x):
+        h = self.a1(self.conv(x))
+        h = self.a3(self.pw(self.a2(self.dw(h))) + h)
+        return self.a5(self.fc(self.flat(self.a4(self.pool(h)))))
+
+
+@pytest.mark.parametrize('precision', ['float32', 'int8'])
+def test_relu6_and_clamps_go_into_the_epilogue_or_run_as_a_clamp(precision):
+    x = images(16, seed=4) * 3                               # large enough that every clamp holds somewhere
+    model = trained_like(ClampNet())
+    if precision == 'int8': model = quantize_static(model, x)
+    frozen = freeze(model, x[:4])
+    kinds = [s.kind for s in frozen.steps]
+    if precision == 'float32':
+        acts = [n.module.activation for n in frozen.graph if hasattr(n.module, 'activation')]
+        assert acts == [(0.0, 6.0), (-0.5, 1.5), (0.0, 6.0), (-2.0, 2.0)]      # conv, depthwise, residual conv, linear
+        assert kinds.count('clamp') == 1 and not any(k.endswith('(eager)') for k in kinds)   # the ReLU6 after the pool
+        np.testing.assert_allclose(frozen.run(x), _eager(model, x), rtol=0, atol=1e-5)
+    else:
+        assert kinds.count('clamp') == 5 and not any(k.endswith('(eager)') for k in kinds)   # int8: a clamp of its own
+        assert np.array_equal(frozen.run(x), _eager(model, x))
+    assert np.unique(frozen.run(x)).size > 10
+
+
+def test_a_fused_layer_with_a_clamp_is_saved_and_loaded(tmp_path):
+    from tinycomp import io as tio
+    graph = optimize(trace(trained_like(ClampNet()), images(2)), FLOAT_PASSES)
+    back = tio.load(tio.save(graph, tmp_path / 'g.npz'))
+    assert [getattr(n.module, 'activation', None) for n in back] == [getattr(n.module, 'activation', None) for n in graph]
+    assert same_outputs(graph, back, images(3)) == 0
+    with pytest.raises(TinycompError, match='low < high'):
+        FusedConv2d(1, 1, 1, activation=(1.0, 1.0))
+
+
 def test_layers_without_a_kernel_run_eagerly_and_layouts_change_only_where_needed():
     for model in (trained_like(BranchyNet()), trained_like(QuantizableNet())):
         x = images(6, seed=3)

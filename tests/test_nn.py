@@ -187,6 +187,20 @@ def test_linear_matches_definition_and_repr():
         lin(np.ones((2, 4)))
 
 
+def test_hardtanh_and_relu6_clamp_and_pass_the_gradient_inside_only():
+    x = np.array([[-3.0, -1.0, -0.2, 0.0, 0.3, 5.9, 6.0, 7.5]], np.float32)
+    for layer, lo, hi in ((M.ReLU6(), 0.0, 6.0), (M.Hardtanh(-1.0, 0.25), -1.0, 0.25)):
+        np.testing.assert_array_equal(layer(x).data, np.clip(x, lo, hi))
+        t = Tensor(x, requires_grad=True)
+        layer(t).sum().backward()
+        np.testing.assert_array_equal(t.grad, ((x > lo) & (x < hi)).astype(float))
+        inside = np.array([[lo + 0.1, (lo + hi) / 2, hi - 0.1]])         # away from the kinks
+        assert gradcheck(lambda a, layer=layer: layer(a), inside)
+    assert M.ReLU6()(np.ones(3, np.float32)).dtype == np.float32
+    for bad in ((1, 1), (2, 1), (float('nan'), 1), (0, float('inf'))):
+        with pytest.raises(TinycompError, match='min_val < max_val'): M.Hardtanh(*bad)
+
+
 def test_seeded_initialisation_is_reproducible():
     T.manual_seed(42); a = Linear(10, 10).weight.data
     T.manual_seed(42); b = Linear(10, 10).weight.data
@@ -211,16 +225,16 @@ def test_initialisers_draw_from_the_seeded_generator():
 
 
 def test_every_layer_is_on_the_model_file_allow_list():
-    for cls in (Linear, ReLU, Sigmoid, Tanh, Flatten, Dropout, Sequential):
+    for cls in (Linear, ReLU, M.ReLU6, M.Hardtanh, Sigmoid, Tanh, Flatten, Dropout, Sequential):
         assert LAYERS[cls.__name__] is cls and cls.__module__ == 'tinycomp.nn.modules'
-    for layer in (Linear(3, 2, bias=False), ReLU(), Sigmoid(), Tanh(), Flatten(2), Dropout(0.2)):
+    for layer in (Linear(3, 2, bias=False), ReLU(), M.ReLU6(), M.Hardtanh(-2, 0.5), Sigmoid(), Tanh(), Flatten(2), Dropout(0.2)):
         assert type(layer)(**layer.config()).config() == layer.config()   # what a model file stores rebuilds it
     assert 'Sequential' in CONTAINERS and 'Linear' not in CONTAINERS
 
 
 # -------------------------------------------------------------------------------------------- the namespace
 def test_nn_namespace_reexports_modules():
-    for name in ('Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout',
+    for name in ('Module', 'Parameter', 'Sequential', 'Linear', 'ReLU', 'ReLU6', 'Hardtanh', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout',
                  'calculate_gain', 'kaiming_normal_', 'kaiming_uniform_', 'normal_', 'uniform_', 'xavier_normal_',
                  'xavier_uniform_', 'zeros_', 'default_init_'):
         assert getattr(nn, name) is getattr(M, name), name

@@ -122,6 +122,31 @@ def test_geometry_groups_dilation_pools_activations_match_and_round_trip(tmp_pat
     assert again.graph.SerializeToString() == onnx.load(p).graph.SerializeToString()
 
 
+def test_relu6_and_hardtanh_export_as_clip_and_come_back(tmp_path):
+    from tinycomp.nn.modules import Hardtanh, ReLU6
+    from tinycomp.quantization.models import quantize_static
+    manual_seed(0)
+    model = Sequential(Conv2d(1, 6, 3, padding=1), ReLU6(), Conv2d(6, 6, 3, padding=1), Hardtanh(-0.5, 0.75),
+                       Flatten(), Linear(6 * 64, 10)).eval()
+    X = X_TEST[:32] * 3                                      # every clamp holds somewhere
+    p = export_onnx(model, tmp_path / 'c.onnx', (1, 1, 8, 8))
+    assert [n.op_type for n in onnx.load(p).graph.node].count('Clip') == 2
+    assert ort_agreement(model, p, X)['rel_err'] < 1e-5
+    back = import_onnx(p)
+    assert [type(m).__name__ for m in back.modules() if isinstance(m, Hardtanh)] == ['ReLU6', 'Hardtanh']
+    with no_grad(): np.testing.assert_array_equal(back(Tensor(X)).data, model(Tensor(X)).data)
+    q = quantize_static(model, X)
+    assert [type(m).__name__ for m in q].count('QuantizedHardtanh') == 2
+    for form in QUANTIZED_FORMS:
+        m = to_onnx(q, (1, 1, 8, 8), quantized_form=form)
+        with no_grad(): ours = q(Tensor(X)).data
+        r = lsb_diff(ours, run_onnx(m, X), q[-1].scale)
+        assert r['max_lsb'] <= 2 and r['lsb_within_1'] >= 0.99, (form, r)
+    one_sided = _model([helper.make_node('Clip', ['x', 'lo'], ['y'], name='c')], [numpy_helper.from_array(np.float32(0), 'lo')])
+    with pytest.raises(TinycompError, match="node 'c' \\(Clip\\): a Clip without a max bound"):
+        import_onnx(_save(tmp_path, one_sided))
+
+
 def test_adaptive_pool_export(tmp_path):
     manual_seed(0)
     for out, op in ((1, 'GlobalAveragePool'), (2, 'AveragePool')):

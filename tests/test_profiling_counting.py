@@ -12,7 +12,7 @@ from tinycomp.conv import Conv2d, conv_output_size
 from tinycomp.errors import TinycompError
 from tinycomp.graph import Function, trace
 from tinycomp.models import digits_cnn, digits_cnn_wide
-from tinycomp.nn.modules import Add, Cat, Dropout, Flatten, Linear, Module, ReLU, Sequential, Sigmoid, Tanh
+from tinycomp.nn.modules import Add, Cat, Dropout, Flatten, Linear, Module, ReLU, ReLU6, Sequential, Sigmoid, Tanh
 from tinycomp.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from tinycomp.profiling.counting import (PROFILE_COLUMNS, Profile, activation_bytes, conv2d_flops, layer_cost,
                                          output_shape, profile_model, trace_events)
@@ -138,6 +138,8 @@ def test_layer_cost_other_layers():
     assert layer_cost(BatchNorm2d(3), (2, 3, 4, 4))['flops'] == 4 * 96
     assert layer_cost(BatchNorm2d(3, affine=False), (2, 3, 4, 4))['flops'] == 2 * 96
     assert layer_cost(ReLU(), (2, 3, 4, 4))['flops'] == 96 and layer_cost(Flatten(), (2, 3, 4, 4))['flops'] == 0
+    c = layer_cost(ReLU6(), (2, 3, 4, 4))
+    assert (c['output_shape'], c['flops'], c['params'], c['activation_bytes']) == ((2, 3, 4, 4), 2 * 96, 0, 4 * 96)
     assert layer_cost(AdaptiveAvgPool2d(1), (2, 3, 5, 5))['flops'] == 2 * 3 * 25
     assert layer_cost(AdaptiveAvgPool2d(2), (1, 1, 5, 5))['flops'] == 6 * 6     # overlapping bins of 3 rows/cols
 

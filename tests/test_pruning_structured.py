@@ -260,6 +260,18 @@ def test_models_that_are_not_chains_shrink_and_equal_the_switched_off_original(m
     np.testing.assert_array_equal(run(back, x), run(new, x))
 
 
+def test_clamps_pass_channels_through():
+    manual_seed(0)
+    model = Sequential(Conv2d(1, 8, 3, padding=1), nn.ReLU6(), Conv2d(8, 8, 3, padding=1), nn.Hardtanh(-0.5, 0.5),
+                       Flatten(), Linear(8 * 64, 10)).eval()
+    plan = S.channel_plan(model, 0.5, input_shape=(1, 1, 8, 8))
+    new = S.prune_channels(model, 0.5, input_shape=(1, 1, 8, 8))
+    assert [type(m).__name__ for m in new] == ['Conv2d', 'ReLU6', 'Conv2d', 'Hardtanh', 'Flatten', 'Linear']
+    assert new[2].in_channels == 4 and new[5].in_features == 4 * 64
+    x = np.random.default_rng(3).normal(size=(5, 1, 8, 8)).astype(np.float32) * 3
+    np.testing.assert_allclose(run(new, x), run(switched_off(model, plan, (1, 1, 8, 8)), x), atol=1e-5)
+
+
 def test_a_graph_is_pruned_in_place_of_its_layers(tmp_path):
     model = trained_like(BranchyNet())
     g = tio.load(tio.save(trace(model, images(2)), tmp_path / 'g.npz')).eval()

@@ -30,6 +30,26 @@ def test_the_tiled_conv_computes_what_conv2d_computes(n, c, h, w, cout, k, strid
     assert len(packed.offsets) == 1
 
 
+@pytest.mark.parametrize('nchw', [True, False])
+@pytest.mark.parametrize('clamp', [None, (0.0, np.inf), (0.0, 6.0), (-0.5, 0.25)])
+def test_the_epilogue_adds_the_residual_then_clamps(nchw, clamp, float_tiles):
+    from tinycomp.tiles import pad_nchw_to_nhwc, run_tiles, tile_offsets
+    rng = np.random.default_rng(7)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((3, 5, 9, 7), (20, 5, 3, 3), (20,)))
+    ref = conv2d_forward(x, w, b, 1, 1)
+    residual = rng.standard_normal(ref.shape).astype(np.float32)
+    ref = ref + residual if clamp is None else np.clip(ref + residual, *clamp)
+    packed = pack_tiled_weights(w)
+    base, koff, oh, ow = tile_offsets(3, 9, 7, 5, 3, 3, (1, 1), (1, 1), (1, 1))
+    xp = np.empty((3, 11, 9, 5), np.float32)
+    pad_nchw_to_nhwc(x, 1, 1, xp)
+    if nchw: out, res, want = np.empty_like(ref), residual, ref
+    else: out, res, want = (np.empty((3 * oh * ow, 20), np.float32), np.ascontiguousarray(residual.transpose(0, 2, 3, 1)).reshape(-1, 20),
+                            ref.transpose(0, 2, 3, 1).reshape(-1, 20))
+    run_tiles(xp, packed, base, koff, b, out, residual=res, clamp=clamp)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_shapes_are_refused(float_tiles):
     wt = np.ones((4, 3, 3, 3), np.float32)
     with pytest.raises(ShapeError, match='expects 3'): conv2d_tiled(np.ones((1, 2, 5, 5), np.float32), wt)

@@ -105,8 +105,9 @@ _TILE_KERNEL = _make_tile_kernel(TILE_PIXELS, VECTOR_LANES, FLOAT_LANES // VECTO
 
 # %% ../nbs/02d_tiles.ipynb #1613f7d4
 @numba.njit(cache=True, inline='always')
-def _tile_epilogue(tile, p0, p1, c0, nl, lanes, bias, rf, has_residual, relu, of, cout, ohw):
-    """Pixels p0..p1 of `tile` (channels c0..c0+nl) plus bias, residual and ReLU into `of` (flat): NHWC rows when
+def _tile_epilogue(tile, p0, p1, c0, nl, lanes, bias, rf, has_residual, clamp, lo, hi, of, cout, ohw):
+    """Pixels p0..p1 of `tile` (channels c0..c0+nl) plus bias and residual, clamped to [lo, hi] if `clamp` (a ReLU is
+    [0, inf]), into `of` (flat): NHWC rows when
     `ohw` is 0, else NCHW planes of `ohw` pixels (the residual in the same layout)."""
     if ohw == 0:
         for p in range(p0, p1):
@@ -116,8 +117,8 @@ def _tile_epilogue(tile, p0, p1, c0, nl, lanes, bias, rf, has_residual, relu, of
                 v = tile[np.uint64(t + l)] + bias[np.uint64(c0 + l)]
                 if has_residual:
                     v += rf[np.uint64(o + l)]
-                if relu:
-                    v = max(v, np.float32(0.0))
+                if clamp:
+                    v = min(max(v, lo), hi)
                 of[np.uint64(o + l)] = v
         return
     n0 = p0 // ohw                                    # one division per tile: the pixels are consecutive
@@ -130,8 +131,8 @@ def _tile_epilogue(tile, p0, p1, c0, nl, lanes, bias, rf, has_residual, relu, of
             v = tile[np.uint64((p - p0) * lanes + l)] + b
             if has_residual:
                 v += rf[np.uint64(o)]
-            if relu:
-                v = max(v, np.float32(0.0))
+            if clamp:
+                v = min(max(v, lo), hi)
             of[np.uint64(o)] = v
             q += 1
             o += 1
@@ -143,7 +144,7 @@ def _tile_epilogue(tile, p0, p1, c0, nl, lanes, bias, rf, has_residual, relu, of
 def _make_driver(np_, lanes):
     mk = _TILE_KERNEL
     @numba.njit(cache=True)
-    def run_serial(xp, w, base, koff, bias, residual, has_residual, relu, out, tile, pixels, ohw):
+    def run_serial(xp, w, base, koff, bias, residual, has_residual, clamp, lo, hi, out, tile, pixels, ohw):
         p_, cout = pixels, bias.size
         nblk, k_ = w.shape[0], w.shape[1]
         xf, wf, of, rf = xp.reshape(-1), w.reshape(-1), out.reshape(-1), residual.reshape(-1)
@@ -152,9 +153,9 @@ def _make_driver(np_, lanes):
             for cb in range(nblk):
                 mk(xf, wf, cb * k_ * lanes * 4, base, b * np_, koff, k_, tile)
                 _tile_epilogue(tile, b * np_, p1, cb * lanes, min(cout - cb * lanes, lanes), lanes, bias, rf,
-                               has_residual, relu, of, cout, ohw)
+                               has_residual, clamp, lo, hi, of, cout, ohw)
     @numba.njit(parallel=True, cache=True)
-    def run_parallel(xp, w, base, koff, bias, residual, has_residual, relu, out, tile, pixels, ohw):
+    def run_parallel(xp, w, base, koff, bias, residual, has_residual, clamp, lo, hi, out, tile, pixels, ohw):
         p_, cout = pixels, bias.size
         nblk, k_ = w.shape[0], w.shape[1]
         xf, wf, of, rf = xp.reshape(-1), w.reshape(-1), out.reshape(-1), residual.reshape(-1)
@@ -169,7 +170,7 @@ def _make_driver(np_, lanes):
                 for cb in range(nblk):
                     mk(xf, wf, cb * k_ * lanes * 4, base, b * np_, koff, k_, mine)
                     _tile_epilogue(mine, b * np_, p1, cb * lanes, min(cout - cb * lanes, lanes), lanes, bias, rf,
-                                   has_residual, relu, of, cout, ohw)
+                                   has_residual, clamp, lo, hi, of, cout, ohw)
     for driver in (run_serial, run_parallel): _cache_by_variant(driver, f"float{VECTOR_LANES}x{np_}", _tile_epilogue)
     return run_serial, run_parallel
 
@@ -265,16 +266,18 @@ def tile_driver(pixels):
     serial, parallel = _DRIVERS
     return parallel if numba.get_num_threads() > 1 and pixels >= 4 * TILE_PIXELS else serial
 
-def run_tiles(xp, packed, base, koff, bias, out, residual=None, relu=False, tile=None):
+def run_tiles(xp, packed, base, koff, bias, out, residual=None, clamp=None, tile=None):
     """The tiled convolution of the padded NHWC `xp` into `out`, with the epilogue: `bias` (Cout,) float32, an optional
-    `residual` like `out`, an optional ReLU. `out` is NHWC rows (pixels, Cout) or NCHW (N, Cout, OH, OW). `tile`: a
-    (TILE_PIXELS * FLOAT_LANES * threads,) float32 scratch array, a slice for each Numba thread."""
+    `residual` like `out`, an optional `clamp` (low, high) (a ReLU is (0, inf)). `out` is NHWC rows (pixels, Cout) or
+    NCHW (N, Cout, OH, OW). `tile`: a (TILE_PIXELS * FLOAT_LANES * threads,) float32 scratch array, a slice for each
+    Numba thread."""
     nchw = out.ndim == 4
     pixels = out.shape[0] * out.shape[2] * out.shape[3] if nchw else out.shape[0]
     if tile is None: tile = np.empty(TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(), np.float32)
     res = out if residual is None else residual
-    tile_driver(pixels)(xp, packed.weights, base, koff, bias, res, residual is not None, relu, out, tile, pixels,
-                        out.shape[2] * out.shape[3] if nchw else 0)
+    lo, hi = (np.float32(v) for v in (clamp if clamp is not None else (0, 0)))
+    tile_driver(pixels)(xp, packed.weights, base, koff, bias, res, residual is not None, clamp is not None, lo, hi, out,
+                        tile, pixels, out.shape[2] * out.shape[3] if nchw else 0)
 
 # %% ../nbs/02d_tiles.ipynb #877bde7a
 def _pair(v): return (int(v), int(v)) if np.ndim(v) == 0 else (int(v[0]), int(v[1]))

@@ -12,7 +12,7 @@ from ..batchnorm import BatchNorm2d
 from ..conv import Conv2d
 from ..course.spec import Check, ModuleSpec, arr, f32
 from ..graph import Graph, Node, trace
-from ..nn.modules import Add, Flatten, Linear, Module, ReLU
+from ..nn.modules import Add, Flatten, Hardtanh, Linear, Module, ReLU, ReLU6
 from ..tensor import Tensor, no_grad
 
 # %% ../../nbs/checks/08_deploy.ipynb #f66ef6cb
@@ -73,13 +73,13 @@ def _run_fold(kind):
 
 # %% ../../nbs/checks/08_deploy.ipynb #c72dbfbb
 class _FuseChain(Module):
-    """relu0 reads the input (stays); conv1 -> relu1 (fuses); conv2 is read by relu2 and by side (stays); the add and
-    the relu after it (reads an Add: stays) and a second relu (reads a relu: stays); a linear -> relu (fuses) -> linear."""
+    """relu0 reads the input (stays); conv1 -> a clamp (fuses); conv2 is read by relu2 and by side (stays); the add
+    and the relu after it (reads an Add: stays) and a ReLU6 (reads a relu: stays); a linear -> ReLU6 (fuses) -> linear."""
     def __init__(self, rng, c0, c1, c2, h):
         super().__init__()
-        self.relu0, self.conv1, self.relu1, self.conv2, self.relu2 = ReLU(), _conv(rng, c0, c1), ReLU(), _conv(rng, c1, c1), ReLU()
-        self.side, self.add, self.relu3, self.relu4, self.flat = _conv(rng, c1, c1, 1), Add(), ReLU(), ReLU(), Flatten()
-        self.fc1, self.relu5, self.fc2 = Linear(c1 * h * h, c2), ReLU(), Linear(c2, 3)
+        self.relu0, self.conv1, self.relu1, self.conv2, self.relu2 = ReLU(), _conv(rng, c0, c1), Hardtanh(-0.3, 0.4), _conv(rng, c1, c1), ReLU()
+        self.side, self.add, self.relu3, self.relu4, self.flat = _conv(rng, c1, c1, 1), Add(), ReLU(), ReLU6(), Flatten()
+        self.fc1, self.relu5, self.fc2 = Linear(c1 * h * h, c2), ReLU6(), Linear(c2, 3)
         for fc in (self.fc1, self.fc2):
             fc.weight.data = f32(rng, *fc.weight.shape, scale=1 / np.sqrt(fc.in_features))
             fc.bias.data = f32(rng, fc.out_features, scale=0.5)
@@ -96,6 +96,8 @@ class _FuseResidual(Module):
         self.relu2, self.relu3 = ReLU(), ReLU()
     def forward(self, x): return self.relu3(self.relu2(self.add(self.conv2(self.relu1(self.conv1(x))), x)))
 
+_ACTIVATION_CODES = {'None': 0, 'relu': 1, '(0.0, 6.0)': 2, '(-0.3, 0.4)': 3}   # what each node's epilogue applies
+
 def _run_fuse(kind):
     def run(ns, i):
         rng = np.random.default_rng(int(i['seed']))
@@ -105,8 +107,8 @@ def _run_fuse(kind):
         out = ns.fuse_activations(graph)
         graph = out if isinstance(out, Graph) else graph
         with no_grad(): y = graph(Tensor(i['x'].copy()))
-        relu = [int(getattr(n.module, 'activation', None) == 'relu') for n in graph]
-        return {'ops': _op_codes(graph), 'fused_relu': np.array(relu, np.int64), 'out': arr(y)}
+        fused = [_ACTIVATION_CODES.get(str(getattr(n.module, 'activation', None)), 9) for n in graph]
+        return {'ops': _op_codes(graph), 'fused': np.array(fused, np.int64), 'out': arr(y)}
     return run
 
 # %% ../../nbs/checks/08_deploy.ipynb #e649f45b

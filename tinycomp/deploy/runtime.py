@@ -16,18 +16,18 @@ import numpy as np
 from ..conv import _pair, conv_output_size
 from ..errors import ShapeError, TinycompError
 from ..graph import Graph, trace
-from ..nn.modules import Add, Flatten, Module, ReLU
+from ..nn.modules import Add, Flatten, Hardtanh, Module, ReLU
 from ..pooling import AdaptiveAvgPool2d, MaxPool2d
 from ..quantization import int8_conv as _int8
 from ..quantization.kernels import _qavg_pool, _qconv_loops, _qmax_pool, _quantized_add2
 from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
-                                          QuantizedConv2d, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
+                                          QuantizedConv2d, QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
 from ..tiles import FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
-from .kernels import (_adaptive_avg_nhwc, _add_relu, _all_finite, _conv_direct_nhwc, _dequantize, _epilogue,
-                                     _im2col_nhwc, _max_pool_nhwc, _quantize, _relu, nchw_to_nhwc, nhwc_to_nchw)
+from .kernels import (_adaptive_avg_nhwc, _add, _all_finite, _clamp, _conv_direct_nhwc, _dequantize, _epilogue,
+                                     _im2col_nhwc, _max_pool_nhwc, _quantize, nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
-from .passes import FLOAT_PASSES, FusedConv2d, FusedLinear, optimize
+from .passes import FLOAT_PASSES, FusedConv2d, FusedLinear, activation_bounds, epilogue_activation, optimize
 
 # %% ../../nbs/08d_runtime.ipynb #b4c843a6
 @dataclass
@@ -74,6 +74,10 @@ def _rows(p, k):
     "Rows of an im2col chunk: about CHUNK_FLOATS floats, at least 16 rows, at most all `p`."
     return int(min(p, max(16, CHUNK_FLOATS // max(k, 1))))
 
+def _clamp_args(activation) -> tuple:
+    "The epilogue kernels' (clamp, lo, hi) for a fused layer's activation."
+    return (activation is not None,) + tuple(np.float32(v) for v in activation_bounds(activation))
+
 def _lower_fused_conv(ctx, node, m):
     x = ctx.need(node.inputs[0], 'nhwc')
     c, h, w = ctx.values[x].shape
@@ -82,17 +86,17 @@ def _lower_fused_conv(ctx, node, m):
     wt = m.weight.data.astype(np.float32)
     bias = np.ascontiguousarray(m.bias.data, np.float32)
     res = ctx.need(node.inputs[1], 'nhwc') if m.residual else None
-    relu = m.activation == 'relu'
+    clamp = _clamp_args(m.activation)
     out_value = Value((cout, oh, ow), np.dtype(np.float32), 'nhwc')
     flops = 2 * oh * ow * cout * (c // groups) * kh * kw
     inputs = (x,) + ((res,) if res else ())
     if groups == 1 and FLOAT_LANES:                         # module 02's register-tiled kernel
-        return _lower_tiled_conv(node, m, x, res, (c, h, w), (kh, kw, sh, sw, ph, pw, dh, dw, oh, ow), bias, relu), out_value
+        return _lower_tiled_conv(node, m, x, res, (c, h, w), (kh, kw, sh, sw, ph, pw, dh, dw, oh, ow), bias, clamp), out_value
     if groups > 1:                                          # grouped / depthwise: the direct kernel
         wp = np.ascontiguousarray(wt.transpose(2, 3, 1, 0))             # (kh, kw, C/groups, Cout)
         def bind(arrays, batch):
             r = arrays[res] if res else arrays[node.name]
-            return [(_conv_direct_nhwc, (arrays[x], wp, bias, r, res is not None, relu, sh, sw, ph, pw, dh, dw, groups,
+            return [(_conv_direct_nhwc, (arrays[x], wp, bias, r, res is not None, *clamp, sh, sw, ph, pw, dh, dw, groups,
                                          arrays[node.name]))]
         return Step(node.name, 'conv (direct, NHWC)', inputs, node.name, bind, flops=flops), out_value
     k = kh * kw * c
@@ -111,13 +115,13 @@ def _lower_fused_conv(ctx, node, m):
                 a = arrays[node.name + '#cols'][:p1 - p0]
                 calls.append((_im2col_nhwc, (xa, p0, p1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, a)))
             calls.append((np.matmul, (a, wp, out[p0:p1])))
-            calls.append((_epilogue, (out[p0:p1], bias, r[p0:p1], res is not None, relu)))
+            calls.append((_epilogue, (out[p0:p1], bias, r[p0:p1], res is not None, *clamp)))
         return calls
     scratch = {} if pointwise else {'cols': (lambda b: (_rows(b * oh * ow, k), k), np.float32)}
     return Step(node.name, 'conv (1x1 GEMM)' if pointwise else 'conv (im2col + GEMM)', inputs, node.name, bind,
                 scratch, flops), out_value
 
-def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
+def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, clamp):
     "The Step of a groups=1 FusedConv2d by `tiles`: pad the NHWC input into a scratch array (if padded), then the kernel."
     (c, h, w), (kh, kw, sh, sw, ph, pw, dh, dw, oh, ow) = in_shape, geometry
     packed = pack_tiled_weights(m.weight.data)
@@ -132,7 +136,7 @@ def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, relu):
             calls.append((pad_nhwc, (arrays[x], ph, pw, xp)))
         out = arrays[node.name].reshape(-1, cout)
         r = arrays[res].reshape(-1, cout) if res else out
-        calls.append((tile_driver(out.shape[0]), (xp, packed.weights, base, koff, bias, r, res is not None, relu, out,
+        calls.append((tile_driver(out.shape[0]), (xp, packed.weights, base, koff, bias, r, res is not None, *clamp, out,
                                                   arrays[node.name + '#tile'], out.shape[0], 0)))
         return calls
     scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(),), np.float32)}   # one per thread
@@ -150,18 +154,18 @@ def _lower_fused_linear(ctx, node, m):
         wt = wt.reshape(-1, c, h, w).transpose(0, 2, 3, 1).reshape(wt.shape[0], -1)
     elif v.layout != 'flat': x = ctx.need(x, 'flat')
     bias = np.ascontiguousarray(m.bias.data, np.float32)
-    relu, (mo, k) = m.activation == 'relu', wt.shape
+    clamp, (mo, k) = _clamp_args(m.activation), wt.shape
     out_value = Value((mo,), np.dtype(np.float32))
     wp = np.ascontiguousarray(wt.T)
     packed, offsets = (pack_tiled_weights(wt.reshape(mo, k, 1, 1)) if FLOAT_LANES else None), {}
     def bind(arrays, batch):
         xa, out = arrays[x].reshape(batch, -1), arrays[node.name]
         if packed is None or numba.get_num_threads() == 1:
-            return [(np.matmul, (xa, wp, out)), (_epilogue, (out, bias, out, False, relu))]
+            return [(np.matmul, (xa, wp, out)), (_epilogue, (out, bias, out, False, *clamp))]
         # with threads, a 1x1 convolution of a 1x1 image on the tiled kernel: a BLAS call would start BLAS's own
         # threads, which keep spinning after it and starve Numba's (measured: 3-4x slower steps after each GEMM)
         if batch not in offsets: offsets[batch] = tile_offsets(batch, 1, 1, k, 1, 1)[:2]
-        return [(tile_driver(batch), (xa, packed.weights, *offsets[batch], bias, out, False, relu, out,
+        return [(tile_driver(batch), (xa, packed.weights, *offsets[batch], bias, out, False, *clamp, out,
                                       arrays[node.name + '#tile'], batch, 0))]
     scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(),), np.float32)} if FLOAT_LANES else {}
     kind = 'linear (GEMM; register tiles with threads)' if FLOAT_LANES else 'linear (GEMM)'
@@ -200,6 +204,9 @@ def _lower_adaptive_avg(ctx, node, m):
     def bind(arrays, batch): return [(_adaptive_avg_nhwc, (arrays[x], ys, xs, arrays[node.name]))]
     return Step(node.name, 'adaptive avg pool (NHWC)', (x,), node.name, bind), Value((c, oh, ow), np.dtype(np.float32), 'nhwc')
 
+def _clamp_bounds(m) -> tuple:
+    return (m.low, m.high) if isinstance(m, QuantizedHardtanh) else activation_bounds(epilogue_activation(m))
+
 def _lower_elementwise(ctx, node, m):
     vs = [ctx.values[i] for i in node.inputs]
     layout = 'nhwc' if any(v.layout == 'nhwc' for v in vs) else vs[0].layout
@@ -208,11 +215,12 @@ def _lower_elementwise(ctx, node, m):
         return _lower_fallback(ctx, node, m)                  # broadcasting, mixed dtypes: the eager layer
     v = ctx.values[xs[0]]
     out = Value(v.shape, v.dtype, v.layout)
-    if isinstance(m, ReLU):
-        def bind(arrays, batch): return [(_relu, (arrays[xs[0]].reshape(-1), arrays[node.name].reshape(-1)))]
-        return Step(node.name, 'relu', tuple(xs), node.name, bind, inplace=xs[0]), out
+    if not isinstance(m, Add):                               # a clamp: a ReLU, a Hardtanh (ReLU6), or their int8 forms
+        lo, hi = (v.dtype.type(b) for b in _clamp_bounds(m))
+        def bind(arrays, batch): return [(_clamp, (arrays[xs[0]].reshape(-1), lo, hi, arrays[node.name].reshape(-1)))]
+        return Step(node.name, 'clamp', tuple(xs), node.name, bind, inplace=xs[0]), out
     def bind(arrays, batch):
-        return [(_add_relu, (arrays[xs[0]].reshape(-1), arrays[xs[1]].reshape(-1), False, arrays[node.name].reshape(-1)))]
+        return [(_add, (arrays[xs[0]].reshape(-1), arrays[xs[1]].reshape(-1), arrays[node.name].reshape(-1)))]
     return Step(node.name, 'add', tuple(xs), node.name, bind, inplace=xs[0]), out
 
 # %% ../../nbs/08d_runtime.ipynb #efdbb0e3
@@ -326,6 +334,7 @@ def _lower_fallback(ctx, node, m):
 
 LOWERINGS = [(FusedConv2d, _lower_fused_conv), (FusedLinear, _lower_fused_linear), (Flatten, _lower_flatten),
              (MaxPool2d, _lower_max_pool), (AdaptiveAvgPool2d, _lower_adaptive_avg), (ReLU, _lower_elementwise),
+             (Hardtanh, _lower_elementwise), (QuantizedHardtanh, _lower_elementwise),    # (and QuantizedReLU)
              (Add, _lower_elementwise), (QuantStub, _lower_quant_stub), (DeQuantStub, _lower_dequant_stub),
              (QuantizedConv2d, _lower_quantized_conv), (QuantizedLinear, _lower_quantized_conv),
              (QuantizedAdd, _lower_quantized_add), (QuantizedMaxPool2d, _lower_quantized_pool),

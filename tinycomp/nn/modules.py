@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['ParameterCounts', 'Parameter', 'Module', 'RemovableHandle', 'parameter_counts', 'calculate_gain', 'skip_init',
            'uniform_', 'normal_', 'zeros_', 'kaiming_uniform_', 'kaiming_normal_', 'xavier_uniform_', 'xavier_normal_',
-           'default_init_', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Flatten', 'Dropout', 'Sequential', 'Add', 'Cat']
+           'default_init_', 'Linear', 'ReLU', 'Sigmoid', 'Tanh', 'Hardtanh', 'ReLU6', 'Flatten', 'Dropout',
+           'Sequential', 'Add', 'Cat']
 
 # %% ../../nbs/01c_nn.ipynb #c66c3ab8
 import contextlib
@@ -337,6 +338,31 @@ class Sigmoid(Module):
 class Tanh(Module):
     "tanh(x)"
     def forward(self, x): return as_tensor(x).tanh()
+
+# %% ../../nbs/01c_nn.ipynb #967e060a
+@register_layer
+class Hardtanh(Module):
+    "x clamped to [min_val, max_val]."
+    def __init__(self, min_val=-1.0, max_val=1.0):
+        super().__init__()
+        lo, hi = float(min_val), float(max_val)
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise TinycompError(f"{type(self).__name__} needs finite bounds with min_val < max_val, got {min_val} and {max_val}")
+        self.min_val, self.max_val = lo, hi
+
+    def config(self): return dict(min_val=self.min_val, max_val=self.max_val)
+
+    def forward(self, x):
+        x = as_tensor(x)
+        lo, hi = x.data.dtype.type(self.min_val), x.data.dtype.type(self.max_val)
+        inside = (x.data > lo) & (x.data < hi)
+        return Tensor.from_op(np.clip(x.data, lo, hi), (x,), lambda g: (g * inside,), 'hardtanh')
+
+@register_layer
+class ReLU6(Hardtanh):
+    "min(max(x, 0), 6)"
+    def __init__(self): super().__init__(0.0, 6.0)
+    def config(self): return {}
 
 # %% ../../nbs/01c_nn.ipynb #06652a1d
 @register_layer

@@ -18,13 +18,13 @@ from ..conv import Conv2d, _pair
 from ..errors import TinycompError
 from ..files import atomic_write
 from ..graph import Function, Graph, trace
-from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh
+from ..nn.modules import Add, Cat, Dropout, Flatten, Hardtanh, Linear, ReLU, Sigmoid, Tanh
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..pruning.masks import MaskedConv2d, MaskedLinear
 from ..pruning.sparse import SparseConv2d, SparseLinear
 from ..quantization.layers import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear, QuantStub,
                                           QuantizedAdaptiveAvgPool2d, QuantizedAdd, QuantizedAvgPool2d, QuantizedCat,
-                                          QuantizedConv2d, QuantizedLinear, QuantizedMaxPool2d, QuantizedReLU)
+                                          QuantizedConv2d, QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantizedReLU)
 from ..tensor import Tensor
 
 # %% ../../nbs/96a_onnx_export.ipynb #92f1aca4
@@ -216,6 +216,8 @@ AvgPool2d.export_onnx = _float(lambda self, g, x: g.node('AveragePool', [x], cou
 AdaptiveAvgPool2d.export_onnx = _float(lambda self, g, x: _adaptive(g, x, self.output_size))
 for _cls, _op in ((ReLU, 'Relu'), (Sigmoid, 'Sigmoid'), (Tanh, 'Tanh')):
     _cls.export_onnx = _float(lambda self, g, x, op=_op: g.node(op, [x]))
+Hardtanh.export_onnx = _float(lambda self, g, x: g.node('Clip', [x, g.const('min', np.array(self.min_val, np.float32)),
+                                                                  g.const('max', np.array(self.max_val, np.float32))]))
 Flatten.export_onnx = _flatten
 Dropout.export_onnx = _float(lambda self, g, x: None)          # the identity in inference
 Add.export_onnx = _float(lambda self, g, a, b: g.node('Add', [a, b]))
@@ -349,6 +351,8 @@ QuantizedAvgPool2d.export_onnx = _int8(lambda self, g, x: _requant_pool(
 QuantizedAdaptiveAvgPool2d.export_onnx = _int8(lambda self, g, x: _requant_pool(g, x, lambda xf: _adaptive(g, xf, self.output_size)))
 QuantizedReLU.export_onnx = _int8(lambda self, g, x: _int8_out(
     g, g.node('Max', [x, g.const('min', _zp(g, int(self.zero_point)))]), *g.int8(x)))
+QuantizedHardtanh.export_onnx = _int8(lambda self, g, x: _int8_out(
+    g, g.node('Clip', [x, g.const('min', _zp(g, self.low)), g.const('max', _zp(g, self.high))]), *g.int8(x)))
 QuantizedAdd.export_onnx = _int8(lambda self, g, a, b: _joined_int8(
     self, g, a, b, make=lambda fs: g.node('Relu', [g.node('Add', fs)]) if self.relu else g.node('Add', fs)))
 QuantizedCat.export_onnx = _int8(lambda self, g, *xs: _joined_int8(self, g, *xs, make=lambda fs: g.node('Concat', fs, axis=self.dim)))

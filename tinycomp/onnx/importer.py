@@ -16,7 +16,7 @@ from ..conv import Conv2d
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
 from ..graph import Function, Graph, Node, chain_or_graph
-from ..nn.modules import Add, Cat, Flatten, Linear, Parameter, ReLU, Sigmoid, Tanh, skip_init
+from ..nn.modules import Add, Cat, Flatten, Hardtanh, Linear, Parameter, ReLU, ReLU6, Sigmoid, Tanh, skip_init
 from .export import require_onnx
 from ..tensor import Tensor, no_grad
 
@@ -139,7 +139,7 @@ def _read_model(path, max_bytes=MAX_ONNX_BYTES, max_elements=MAX_TENSOR_ELEMENTS
 
 # %% ../../nbs/96b_onnx_import.ipynb #c35a3161
 IMPORTABLE_OPS = ('Conv', 'Gemm', 'MatMul', 'Add', 'Sub', 'Mul', 'Div', 'Concat', 'BatchNormalization', 'MaxPool',
-                  'AveragePool', 'GlobalAveragePool', 'Relu', 'Sigmoid', 'Tanh', 'Neg', 'Exp', 'Log', 'Sqrt', 'Abs',
+                  'AveragePool', 'GlobalAveragePool', 'Relu', 'Clip', 'Sigmoid', 'Tanh', 'Neg', 'Exp', 'Log', 'Sqrt', 'Abs',
                   'ReduceSum', 'ReduceMax', 'ReduceMean', 'Softmax', 'LogSoftmax', 'Transpose', 'Flatten',
                   'Reshape (flattening)', 'Dropout', 'Identity', 'Constant')
 _UNARY_OPS = {'Neg': 'neg', 'Exp': 'exp', 'Log': 'log', 'Sqrt': 'sqrt', 'Abs': 'abs'}
@@ -181,6 +181,16 @@ class _Importer:
         if ndim is not None and a.ndim != ndim: raise self.fail(node, f"its {what} must be {ndim}-D, got shape {a.shape}")
         if not np.isfinite(a).all(): raise self.fail(node, f"its {what} holds NaN or infinite values")
         return np.array(a, np.float32)                   # a copy, C-contiguous, 0-d arrays kept 0-d
+
+    def clip(self, node, attrs):
+        "A Clip as ReLU6 (bounds 0 and 6) or Hardtanh; the bounds are inputs (opset 11 on) or attributes (before)."
+        bounds = []
+        for k, key in ((1, 'min'), (2, 'max')):
+            if len(node.input) > k and node.input[k]: bounds.append(float(self.float_const(node, node.input[k], key, 0)))
+            elif key in attrs: bounds.append(float(attrs[key]))
+            else: raise self.fail(node, f"a Clip without a {key} bound is not supported (tinycomp clamps to two finite bounds)")
+        if not bounds[0] < bounds[1]: raise self.fail(node, f"its bounds must satisfy min < max, got {bounds}")
+        return ReLU6() if bounds == [0.0, 6.0] else Hardtanh(*bounds)
 
     def _name(self, node, suffix='') -> str:
         "A layer name from the ONNX node's (`/layer1/conv1/Conv` -> `layer1_conv1`), unique in the graph."
@@ -263,6 +273,7 @@ class _Importer:
         if op in ('Softmax', 'LogSoftmax'): return add(Function(op.lower().replace('logsoftmax', 'log_softmax'), dict(axis=int(attrs.get('axis', -1)))))
         if op == 'Transpose': return add(Function('permute', dict(dims=tuple(int(d) for d in attrs['perm']))))
         if op in ('Relu', 'Sigmoid', 'Tanh'): return add({'Relu': ReLU, 'Sigmoid': Sigmoid, 'Tanh': Tanh}[op]())
+        if op == 'Clip': return add(self.clip(node, attrs))
         if op == 'Conv':
             w = self.float_const(node, node.input[1], 'weight', 4)
             b = self.float_const(node, node.input[2], 'bias', 1) if len(node.input) > 2 and node.input[2] else None

@@ -22,7 +22,7 @@ from ..conv import Conv2d, _pair, conv_output_size
 from ..errors import TinycompError
 from ..files import atomic_write
 from ..graph import Function, Graph, trace
-from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, ReLU, Sigmoid, Tanh, parameter_counts
+from ..nn.modules import Add, Cat, Dropout, Flatten, Hardtanh, Linear, ReLU, Sigmoid, Tanh, parameter_counts
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..tensor import Tensor, no_grad
 
@@ -136,7 +136,11 @@ def _function_cost(self, *in_shapes):
              'matmul': 2 * math.prod(out) * (in_shapes[0][-1] if in_shapes else 0)}.get(self.op, math.prod(out) if self.op in _ELEMENTWISE else 0)
     return dict(output_shape=out, flops=flops, params=0, output_itemsize=None)
 
-Add.cost, Cat.cost, Function.cost = _add_cost, _cat_cost, _function_cost
+def _clamp_cost(self, in_shape):
+    "A clamp (Hardtanh, ReLU6): two comparisons per value."
+    return dict(output_shape=tuple(int(v) for v in in_shape), flops=2 * math.prod(in_shape), params=0, output_itemsize=None)
+
+Add.cost, Cat.cost, Function.cost, Hardtanh.cost = _add_cost, _cat_cost, _function_cost, _clamp_cost
 
 def _weight_bytes(m) -> int:
     "Bytes of the parameters and array buffers of `m` as stored (0-d bookkeeping such as a batch counter excluded)."

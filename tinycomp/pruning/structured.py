@@ -16,7 +16,7 @@ from ..batchnorm import BatchNorm2d
 from ..conv import Conv2d
 from ..errors import ShapeError, TinycompError
 from ..graph import Function, Graph, trace
-from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, Module, Parameter, ReLU, Tanh
+from ..nn.modules import Add, Cat, Dropout, Flatten, Hardtanh, Linear, Module, Parameter, ReLU, Tanh
 from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..tensor import Tensor, no_grad
 
@@ -205,7 +205,7 @@ def _no_flow(self, *in_shapes):
     return None
 
 Module.channel_flow = _no_flow
-for _cls in (BatchNorm2d, ReLU, Tanh, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Dropout, Add): _cls.channel_flow = _same_channels
+for _cls in (BatchNorm2d, ReLU, Hardtanh, Tanh, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Dropout, Add): _cls.channel_flow = _same_channels
 Conv2d.channel_flow, Linear.channel_flow, Flatten.channel_flow = _conv_flow, _linear_flow, _flatten_flow
 Cat.channel_flow, Function.channel_flow = _cat_flow, _function_flow
 
@@ -249,7 +249,7 @@ def _cannot_keep(self, in_keeps, out_keep):
 
 Module.keep_channels = _cannot_keep
 Conv2d.keep_channels, Linear.keep_channels, BatchNorm2d.keep_channels = _keep_conv, _keep_linear, _keep_batchnorm
-for _cls in (ReLU, Tanh, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Dropout, Add, Cat, Flatten, Function):
+for _cls in (ReLU, Hardtanh, Tanh, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Dropout, Add, Cat, Flatten, Function):
     _cls.keep_channels = _keep_stateless
 
 def _weight_scores(self, importance):

@@ -19,7 +19,7 @@ _PARTS = {
     'int8_conv': ('pack_conv_weights', 'quantized_conv2d', 'quantized_linear'),
     'layers': ('DeQuantStub', 'DynamicQuantizedLinear', 'QuantStub', 'QuantizedAdaptiveAvgPool2d', 'QuantizedAdd',
                'QuantizedAvgPool2d', 'QuantizedCat', 'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d',
-               'QuantizedReLU', 'add_rescale', 'quantized_add', 'rescale_int8', 'rescale_multiplier'),
+               'QuantizedReLU', 'QuantizedHardtanh', 'add_rescale', 'quantized_add', 'rescale_int8', 'rescale_multiplier'),
     'models': ('convert', 'prepare_qat', 'quantize_dynamic', 'quantize_static'),
     'analysis': ('layer_sensitivity', 'lsb_agreement', 'mixed_precision', 'plot_quantization_histograms', 'precision_plan',
                  'quant_benchmark', 'quantization_report', 'simulate')}

@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['WEIGHT_BITS', 'ADD_LEFT_SHIFT', 'QuantStub', 'DeQuantStub', 'weight_qmax', 'weight_qparams', 'requant_multipliers',
            'quantize_layer_params', 'QuantizedConv2d', 'QuantizedLinear', 'QuantizedMaxPool2d',
-           'QuantizedAdaptiveAvgPool2d', 'QuantizedAvgPool2d', 'QuantizedReLU', 'add_rescale', 'quantized_add',
-           'rescale_multiplier', 'rescale_int8', 'QuantizedAdd', 'QuantizedCat', 'DynamicQuantizedLinear', 'HalfConv2d',
-           'HalfLinear']
+           'QuantizedAdaptiveAvgPool2d', 'QuantizedAvgPool2d', 'QuantizedHardtanh', 'QuantizedReLU', 'add_rescale',
+           'quantized_add', 'rescale_multiplier', 'rescale_int8', 'QuantizedAdd', 'QuantizedCat',
+           'DynamicQuantizedLinear', 'HalfConv2d', 'HalfLinear']
 
 # %% ../../nbs/04e_quantized_layers.ipynb #e56233e8
 import numpy as np
@@ -17,7 +17,7 @@ from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError
 from ..files import register_layer
 from ..nn.functional import linear
-from ..nn.modules import Linear, Module, ReLU, skip_init
+from ..nn.modules import Hardtanh, Linear, Module, ReLU, skip_init
 from ..tensor import Tensor, as_tensor
 from .core import (calculate_qparams, dequantize, multiply_by_quantized_multiplier, pack_int4, per_channel_qparams,
                    qrange, quantize_multiplier, quantize_per_channel, quantize_per_tensor, unpack_int4)
@@ -47,7 +47,6 @@ def _check_scales(name, a, shape=None):
         raise TinycompError(f"{name} must have shape {tuple(shape)}, got {a.shape}")
     if not np.isfinite(a).all(): raise TinycompError(f"{name} must be finite, got {a}")
     if (a <= 0).any(): raise TinycompError(f"{name} must be > 0 (a scale of 0 divides by zero), got {a}")
-
 
 def _qparams(scale, zero_point, what):
     "A checked (scale, zero point) of int8 activations as (float holding a float32 value, int)."
@@ -382,17 +381,28 @@ class QuantizedAvgPool2d(Module):
         return Tensor(_rounded_mean(win.sum(axis=(4, 5), dtype=np.int32), kh * kw).astype(np.int8))
 
 @register_layer
-class QuantizedReLU(Module):
-    "ReLU on int8: `max(q, zero_point)` (0.0 is the integer zero_point)."
-    def __init__(self, zero_point=0):
+class QuantizedHardtanh(Module):
+    "A clamp on int8 (Hardtanh, ReLU6): `clip(q, low, high)`, the float bounds as int8 levels of the input's scale."
+    def __init__(self, low=-128, high=127):
         super().__init__()
-        self.zero_point = _qparams(1.0, zero_point, 'QuantizedReLU')[1]
-    def config(self): return dict(zero_point=self.zero_point)
-    def cost(self, in_shape): return _cost_like(ReLU(), in_shape)
+        if not all(isinstance(v, (int, np.integer)) and -128 <= v <= 127 for v in (low, high)) or low > high:
+            raise TinycompError(f"{type(self).__name__} needs int8 levels low <= high, got {low!r} and {high!r}")
+        self.low, self.high = int(low), int(high)
+    def config(self): return dict(low=self.low, high=self.high)
+    def cost(self, in_shape): return _cost_like(Hardtanh(), in_shape)
     def forward(self, x):
         xq = _data(x)
-        if xq.dtype != np.int8: raise TinycompError(f"QuantizedReLU expects int8 activations, got {xq.dtype}")
-        return Tensor(np.maximum(xq, np.int8(self.zero_point)))
+        if xq.dtype != np.int8: raise TinycompError(f"{type(self).__name__} expects int8 activations, got {xq.dtype}")
+        return Tensor(np.clip(xq, np.int8(self.low), np.int8(self.high)))
+
+@register_layer
+class QuantizedReLU(QuantizedHardtanh):
+    "ReLU on int8: `max(q, zero_point)` (0.0 is the integer zero_point), the clamp to [zero_point, 127]."
+    def __init__(self, zero_point=0):
+        super().__init__(_qparams(1.0, zero_point, 'QuantizedReLU')[1], 127)
+        self.zero_point = self.low
+    def config(self): return dict(zero_point=self.zero_point)
+    def cost(self, in_shape): return _cost_like(ReLU(), in_shape)
 
 # %% ../../nbs/04e_quantized_layers.ipynb #a8afdc06
 ADD_LEFT_SHIFT = 20   # TFLite's headroom for int8 adds: each input is scaled up by 2**20 before its rescale

@@ -19,15 +19,15 @@ from ..pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from ..errors import TinycompError, TinycompWarning
 from ..nn.functional import linear
 from ..graph import Graph, Node, chain_or_graph, is_leaf, trace
-from ..nn.modules import Add, Cat, Dropout, Flatten, Linear, Module, ReLU, Sequential
+from ..nn.modules import Add, Cat, Dropout, Flatten, Hardtanh, Linear, Module, ReLU, Sequential
 from ..tensor import Tensor, as_tensor, no_grad
-from .core import fake_quantize, fold_batchnorm
+from .core import fake_quantize, fold_batchnorm, quantize_per_tensor
 from .observers import MinMaxObserver, MovingAverageMinMaxObserver
 # importing this module registers the quantized layers (it imports .layers): model files written when the layers
 # were defined here name this module, and still load
 from .layers import (DeQuantStub, DynamicQuantizedLinear, HalfConv2d, HalfLinear, QuantStub, QuantizedAdd,
                                           QuantizedAdaptiveAvgPool2d, QuantizedAvgPool2d, QuantizedCat, QuantizedConv2d,
-                                          QuantizedLinear, QuantizedMaxPool2d, QuantizedReLU, _data, _weight_dtype,
+                                          QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantizedReLU, _data, _weight_dtype,
                                           weight_qparams)
 
 # %% ../../nbs/04f_quantize_models.ipynb #282f7bd5
@@ -167,6 +167,11 @@ AvgPool2d.int8_twin = lambda self, qp: QuantizedAvgPool2d(self.kernel_size, self
 AdaptiveAvgPool2d.int8_twin = lambda self, qp: QuantizedAdaptiveAvgPool2d(self.output_size)
 Flatten.int8_twin = lambda self, qp: Flatten(self.start_dim)
 ReLU.int8_twin = lambda self, qp: QuantizedReLU(qp[1])
+def _clamp_twin(self, qp):
+    "The int8 clamp of a Hardtanh (ReLU6 too) on values of qp = (scale, zero point): each bound quantized like a value."
+    low, high = quantize_per_tensor(np.float32([self.min_val, self.max_val]), *qp, 'int8')
+    return QuantizedHardtanh(int(low), int(high))
+Hardtanh.int8_plan, Hardtanh.int8_twin = _same_scale_plan('clamp'), _clamp_twin    # a clamp keeps its input's scale
 
 # %% ../../nbs/04f_quantize_models.ipynb #0a908e5e
 def _calibration_batches(data, batch_size=256):
