@@ -205,6 +205,14 @@ def _dequantize(q, scale, zero_point, out):
         out[k] = np.float32(np.int64(q[k]) - zero_point) * scale
 
 @njit(cache=True)
+def _add_by_table(a, b, table, out):
+    """out = table[a, b] for the int8 flat arrays `a` and `b`: an int8 add has only 256 x 256 possible inputs, so its
+    results are worked out once (by module 04's kernel, hence bit for bit the same) and looked up in 64 KB."""
+    au, bu = a.view(np.uint8), b.view(np.uint8)
+    for k in range(out.size):
+        out[k] = table[(np.uint64(au[k]) << np.uint64(8)) | np.uint64(bu[k])]
+
+@njit(cache=True)
 def _all_finite(a) -> bool:
     "No NaN or infinity in the flat float array `a` (without the boolean array `np.isfinite(a).all()` would allocate)."
     for k in range(a.size):

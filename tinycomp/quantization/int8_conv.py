@@ -116,8 +116,8 @@ def _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
     """Row t (sample t // Hp, padded row t % Hp) of the padded NHWC input `xp` (N, H+2ph, W+2pw, groups*cgp) from
     `xu`, the NCHW input viewed as uint8: values `(xu ^ flip) + add` (flip = 128 turns an int8 viewed as uint8 into
     x + 128), spatial padding `padv`, spare channels 0. The dtype of `xp` (uint8 or int16) is the kernel's."""
-    h, w = xu.shape[2], xu.shape[3]
-    hp, wp = xp.shape[1], xp.shape[2]
+    c_, h, w = xu.shape[1], xu.shape[2], xu.shape[3]
+    hp, wp, cp = xp.shape[1], xp.shape[2], xp.shape[3]
     n = t // hp
     y = t % hp
     iy = y - ph
@@ -127,14 +127,17 @@ def _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
     for ix in range(pw):
         xp[n, y, ix, :] = padv
         xp[n, y, wp - 1 - ix, :] = padv
+    xf, uf = xp.reshape(-1), xu.reshape(-1)    # flat and unsigned indices: no check for negative ones (1.5x faster)
+    row0 = ((n * hp + y) * wp + pw) * cp
     for g in range(groups):
         for c in range(cg):                   # a contiguous input row, written with a stride of one pixel
-            row = xu[n, g * cg + c, iy]
+            src, dst = np.uint64(((n * c_ + g * cg + c) * h + iy) * w), np.uint64(row0 + g * cgp + c)
             for ix in range(w):
-                xp[n, y, ix + pw, g * cgp + c] = (np.int32(row[ix]) ^ flip) + add
+                xf[dst + np.uint64(ix * cp)] = (np.int32(uf[src + np.uint64(ix)]) ^ flip) + add
         for c in range(cg, cgp):
+            dst = np.uint64(row0 + g * cgp + c)
             for ix in range(w):
-                xp[n, y, ix + pw, g * cgp + c] = 0
+                xf[dst + np.uint64(ix * cp)] = 0
 
 @njit(cache=True)
 def _pack_weights(wq, groups, cgp, lanes, r, out):
