@@ -51,6 +51,41 @@ FLOAT_LANES = 16 if VECTOR_LANES else 0       # output channels per tile: one 51
 TILE_PIXELS = {16: 24, 8: 6}.get(VECTOR_LANES, 0)
 
 # %% ../nbs/02d_tiles.ipynb #c4c72dab
+def _tile_loop(builder, xb, wptr, kptr, nk, acc, operand, scalar, mv, step, align, op):
+    """Emit the loop of a register-tiled micro-kernel (module 04's integer kernels emit theirs with it too): for k < nk,
+    load `mv` weight vectors of type `operand` at `wptr` + k * `step` bytes, and for each pixel p the `scalar` at
+    `xb[p]` + koff[k] (`kptr`), broadcast into all lanes of an `acc` vector; each of the pixel's `mv` accumulators
+    becomes `op(builder, accumulator, broadcast, weights)`. Returns the len(xb) * mv accumulators after the loop
+    (zeros when nk is 0). The accumulators are `phi` values of the loop, so LLVM keeps them in registers."""
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    pre = builder.block
+    loop, done = builder.append_basic_block('tile_loop'), builder.append_basic_block('tile_done')
+    zero = ir.Constant(acc, None)
+    builder.cbranch(builder.icmp_signed('>', nk, ir.Constant(i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    k = builder.phi(i64)
+    accs = [builder.phi(acc) for _ in range(len(xb) * mv)]
+    ko = builder.load(builder.gep(kptr, [k]))
+    wk = builder.bitcast(builder.gep(wptr, [builder.mul(k, ir.Constant(i64, step))]), operand.as_pointer())
+    ws = [builder.load(builder.gep(wk, [ir.Constant(i64, v)])) for v in range(mv)]
+    for w in ws: w.align = align
+    new = []
+    for p, x in enumerate(xb):
+        q = builder.load(builder.bitcast(builder.gep(x, [ko]), scalar.as_pointer())); q.align = align
+        bc = builder.shuffle_vector(builder.insert_element(ir.Constant(acc, ir.Undefined), q, ir.Constant(i32, 0)),
+                                    ir.Constant(acc, ir.Undefined), ir.Constant(ir.VectorType(i32, acc.count), None))
+        new += [op(builder, accs[p * mv + v], bc, ws[v]) for v in range(mv)]
+    k1 = builder.add(k, ir.Constant(i64, 1))
+    k.add_incoming(ir.Constant(i64, 0), pre); k.add_incoming(k1, loop)
+    for a, b in zip(accs, new):
+        a.add_incoming(zero, pre); a.add_incoming(b, loop)
+    builder.cbranch(builder.icmp_signed('<', k1, nk), loop, done)
+    builder.position_at_end(done)
+    outs = [builder.phi(acc) for _ in new]          # (a block starts with all its phis)
+    for o, b in zip(outs, new):
+        o.add_incoming(zero, pre); o.add_incoming(b, loop)
+    return outs
+
 def _make_tile_kernel(np_, vl, mv=1):
     """A Numba intrinsic `mk(x, w, wofs, base, p0, koff, nk, tile)`: for pixels p < np_ and vectors v < mv,
     tile[p, v*vl:(v+1)*vl] = sum over k < nk of x[base[p0 + p] + koff[k]] * w[wofs + (k*mv + v) * 4 * vl : +4 * vl]
@@ -61,7 +96,7 @@ def _make_tile_kernel(np_, vl, mv=1):
         def codegen(context, builder, signature, args):
             xa, wa, wofs_v, ba, p0_v, ka, nk_v, ta = args
             ptr = lambda i, val, ty: builder.bitcast(context.make_array(signature.args[i])(context, builder, val).data, ty)
-            i8p, i32, i64, f32 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64), ir.FloatType()
+            i8p, i64, f32 = ir.IntType(8).as_pointer(), ir.IntType(64), ir.FloatType()
             vec = ir.VectorType(f32, vl)
             xptr, wptr = ptr(0, xa, i8p), builder.gep(ptr(1, wa, i8p), [wofs_v])
             bptr, kptr, tptr = ptr(3, ba, i64.as_pointer()), ptr(5, ka, i64.as_pointer()), ptr(7, ta, vec.as_pointer())
@@ -69,32 +104,8 @@ def _make_tile_kernel(np_, vl, mv=1):
             fma = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vec, [vec] * 3), name)
             xb = [builder.gep(xptr, [builder.load(builder.gep(bptr, [builder.add(p0_v, ir.Constant(i64, p))]))])
                   for p in range(np_)]
-            pre = builder.block
-            loop, done = builder.append_basic_block('tile_loop'), builder.append_basic_block('tile_done')
-            zero = ir.Constant(vec, None)
-            builder.cbranch(builder.icmp_signed('>', nk_v, ir.Constant(i64, 0)), loop, done)
-            builder.position_at_end(loop)
-            k = builder.phi(i64)
-            accs = [builder.phi(vec) for _ in range(np_ * mv)]
-            ko = builder.load(builder.gep(kptr, [k]))
-            wk = builder.bitcast(builder.gep(wptr, [builder.mul(k, ir.Constant(i64, 4 * vl * mv))]), vec.as_pointer())
-            ws = [builder.load(builder.gep(wk, [ir.Constant(i64, v)])) for v in range(mv)]
-            for wv in ws: wv.align = 4
-            new = []
-            for p in range(np_):
-                q = builder.load(builder.bitcast(builder.gep(xb[p], [ko]), f32.as_pointer())); q.align = 4
-                bc = builder.shuffle_vector(builder.insert_element(ir.Constant(vec, ir.Undefined), q, ir.Constant(i32, 0)),
-                                            ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, vl), None))
-                new += [builder.call(fma, [bc, ws[v], accs[p * mv + v]]) for v in range(mv)]
-            k1 = builder.add(k, ir.Constant(i64, 1))
-            k.add_incoming(ir.Constant(i64, 0), pre); k.add_incoming(k1, loop)
-            for a, b in zip(accs, new):
-                a.add_incoming(zero, pre); a.add_incoming(b, loop)
-            builder.cbranch(builder.icmp_signed('<', k1, nk_v), loop, done)
-            builder.position_at_end(done)
-            outs = [builder.phi(vec) for _ in new]          # (a block starts with all its phis)
-            for o, b in zip(outs, new):
-                o.add_incoming(zero, pre); o.add_incoming(b, loop)
+            outs = _tile_loop(builder, xb, wptr, kptr, nk_v, vec, vec, f32, mv, 4 * vl * mv, 4,
+                              lambda b, acc, x, w: b.call(fma, [x, w, acc]))
             for p, o in enumerate(outs):
                 st = builder.store(o, builder.gep(tptr, [ir.Constant(i64, p)])); st.align = 4
             return context.get_dummy_value()

@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 from ..conv import _geometry, njit
 from ..errors import ShapeError, TinycompError
 from .kernels import _check_conv, _int_array, _qconv_loops
-from ..tiles import _cache_by_variant, _cpu_features     # module 02's float kernel detects and caches the same way
+from ..tiles import _cache_by_variant, _cpu_features, _tile_loop   # module 02's float kernel: same detection, cache, loop
 
 # %% ../../nbs/04d_int8_conv.ipynb #424d1e6b
 _LEVELS = ('vnni', 'avx2', 'loops')                   # best first
@@ -66,41 +66,13 @@ def _make_microkernel(np_, mv, isa='vnni'):
                          else ('llvm.x86.avx2.pmadd.wd', ir.FunctionType(vacc, [vop, vop])))
             fn = builder.module.globals.get(name) or ir.Function(builder.module, fty, name)
             xb = [builder.gep(xptr, [builder.load(builder.gep(bptr, [builder.add(p0_v, ir.Constant(i64, p))]))]) for p in range(np_)]
-            pre = builder.block
-            loop, done = builder.append_basic_block('mk_loop'), builder.append_basic_block('mk_done')
-            zero = ir.Constant(vacc, None)
-            builder.cbranch(builder.icmp_signed('>', nk_v, ir.Constant(i64, 0)), loop, done)
-            builder.position_at_end(loop)
-            k = builder.phi(i64)
-            accs = [builder.phi(vacc) for _ in range(np_ * mv)]
-            ko = builder.load(builder.gep(kptr, [k]))
-            wk = builder.bitcast(builder.gep(wptr, [builder.mul(k, ir.Constant(i64, 4 * vl * mv))]), vop.as_pointer())
-            ws = []
-            for v in range(mv):
-                ws.append(builder.load(builder.gep(wk, [ir.Constant(i64, v)]))); ws[-1].align = 1
-            new = []
-            for p in range(np_):
-                q = builder.load(builder.bitcast(builder.gep(xb[p], [ko]), i32.as_pointer())); q.align = 1
-                bc = builder.shuffle_vector(builder.insert_element(ir.Constant(vacc, ir.Undefined), q, ir.Constant(i32, 0)),
-                                            ir.Constant(vacc, ir.Undefined), ir.Constant(vacc, None))
-                if isa == 'vnni':
-                    new += [builder.call(fn, [accs[p * mv + v], bc, ws[v]]) for v in range(mv)]
-                else:
-                    # an empty inline asm between vpmaddwd and the add: on CPUs with AVX-VNNI, LLVM would fuse the
-                    # two into vpdpwssd, and the 'avx2' kernel must measure what an AVX2-only machine runs
-                    prods = [builder.asm(ir.FunctionType(vacc, [vacc]), '', '=x,0',
-                                         [builder.call(fn, [builder.bitcast(bc, vop), ws[v]])], False, 'pmaddwd')
-                             for v in range(mv)]
-                    new += [builder.add(accs[p * mv + v], prods[v]) for v in range(mv)]
-            k1 = builder.add(k, ir.Constant(i64, 1))
-            k.add_incoming(ir.Constant(i64, 0), pre); k.add_incoming(k1, loop)
-            for a, b in zip(accs, new):
-                a.add_incoming(zero, pre); a.add_incoming(b, loop)
-            builder.cbranch(builder.icmp_signed('<', k1, nk_v), loop, done)
-            builder.position_at_end(done)
-            outs = [builder.phi(vacc) for _ in range(np_ * mv)]
-            for o, b in zip(outs, new):
-                o.add_incoming(zero, pre); o.add_incoming(b, loop)
+            if isa == 'vnni': op = lambda b, acc, x, w: b.call(fn, [acc, x, w])
+            else:
+                # an empty inline asm between vpmaddwd and the add: on CPUs with AVX-VNNI, LLVM would fuse the
+                # two into vpdpwssd, and the 'avx2' kernel must measure what an AVX2-only machine runs
+                op = lambda b, acc, x, w: b.add(acc, b.asm(ir.FunctionType(vacc, [vacc]), '', '=x,0',
+                                                           [b.call(fn, [b.bitcast(x, vop), w])], False, 'pmaddwd'))
+            outs = _tile_loop(builder, xb, wptr, kptr, nk_v, vacc, vop, i32, mv, 4 * vl * mv, 1, op)
             for i, o in enumerate(outs):
                 st = builder.store(o, builder.gep(tptr, [ir.Constant(i64, i)])); st.align = 1
             return context.get_dummy_value()
