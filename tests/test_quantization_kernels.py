@@ -394,6 +394,25 @@ def test_serial_and_parallel_drivers_agree(kernel, monkeypatch):
         set_threads(before)
 
 
+@pytest.mark.parametrize('level', [lv for lv in K.KERNEL_LEVELS if lv != 'loops'])
+@pytest.mark.parametrize('groups, stride, padding', [(1, 1, 1), (2, 2, 0), (1, 2, 1)])
+def test_the_drivers_read_and_write_nhwc_too(level, groups, stride, padding):
+    "The layout module 08's runtime keeps int8 activations in: NHWC in (x_nhwc) and out (channel stride 1), bit-exact."
+    rng = np.random.default_rng(15)
+    xq, zx, wq, bias, mult, shift = case(rng, 3, 12, 9, 8, 40, 3, 3, groups=groups)
+    want = quantized_conv2d_naive(xq, zx, wq, bias, mult, shift, 2, stride=stride, padding=padding, groups=groups)
+    packed = K.pack_conv_weights(wq, groups, kernel=level)
+    rq = K._requant_entry(xq, zx, wq, bias, mult, shift, 2, -128, 127, stride, padding, 1, groups, 'int8', level, packed)
+    ge = K._geometry_entry(xq.shape, wq.shape, stride, padding, 1, groups, packed, nhwc=True)
+    out = np.empty(want.transpose(0, 2, 3, 1).shape, np.int8)
+    serial, _ = K._DRIVERS[level][packed.mv]
+    serial(np.ascontiguousarray(xq.transpose(0, 2, 3, 1)).view(np.uint8), True, rq['flip'], rq['add'], rq['padv'],
+           ge['geom'][2], ge['geom'][3], wq.shape[1], packed.cgp, np.empty(ge['xpshape'], ge['xpdtype']), packed.weights,
+           ge['base'], ge['obase'], ge['koff'], rq['lp'], rq['zp'], rq['qmin'], rq['qmax'], groups, 40 // groups, 1,
+           out.view(np.uint8), *K._scratch(level, packed.mv, True))
+    np.testing.assert_array_equal(out.transpose(0, 3, 1, 2), want)
+
+
 def test_kernel_levels_and_env(monkeypatch):
     "Levels follow the CPU features, best first; TINYCOMP_INT8_KERNEL caps them."
     assert K.KERNEL_LEVELS[-1] == 'loops' and list(K.KERNEL_LEVELS) == [lv for lv in K._LEVELS if lv in K.KERNEL_LEVELS]

@@ -19,7 +19,7 @@ from ..graph import Graph, trace
 from ..nn.modules import Add, Flatten, Hardtanh, Module, ReLU
 from ..pooling import AdaptiveAvgPool2d, MaxPool2d
 from ..quantization import int8_conv as _int8
-from ..quantization.kernels import _qavg_pool, _qconv_loops, _qmax_pool, _quantized_add2
+from ..quantization.kernels import _qavg_pool, _qconv_loops, _quantized_add2
 from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
                                           QuantizedConv2d, QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
@@ -240,18 +240,19 @@ def _lower_dequant_stub(ctx, node, m):
     return Step(node.name, 'dequantize', (x,), node.name, bind), Value(v.shape, np.dtype(np.float32), v.layout)
 
 def _lower_quantized_conv(ctx, node, m):
-    "QuantizedConv2d and QuantizedLinear (a 1x1 conv): module 04's integer kernel, called with everything derived once."
+    """QuantizedConv2d and QuantizedLinear (a 1x1 conv): module 04's integer kernel, called with everything derived
+    once. The micro-kernels read and write NHWC (no transposes on the way in and out), the plain loops NCHW."""
     x = node.inputs[0]
     v = ctx.values[x]
     if v.dtype != np.int8: return _lower_fallback(ctx, node, m)
-    linear = isinstance(m, QuantizedLinear)
+    linear, packed = isinstance(m, QuantizedLinear), m.packed_weight()
+    nhwc = not linear and packed.level != 'loops'
+    if not linear: x = ctx.need(x, 'nhwc' if nhwc else 'nchw')
     if linear: geometry = dict(stride=1, padding=0, dilation=1, groups=1)
     else: geometry = dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
     xshape = (v.shape[0], 1, 1) if linear else v.shape
-    packed = m.packed_weight()
     wq = m.int_weight().reshape(packed.shape)
-    qmin, qmax = m._clamp()
-    mult, shift = m.requant_params()
+    (qmin, qmax), (mult, shift) = m._clamp(), m.requant_params()
     example = np.zeros((1,) + tuple(xshape), np.int8)
     rq = _int8._requant_entry(example, m.input_zero_point, wq, m.bias, mult, shift, m.output_zero_point, qmin, qmax,
                               geometry['stride'], geometry['padding'], geometry['dilation'], geometry['groups'], 'int8',
@@ -260,24 +261,23 @@ def _lower_quantized_conv(ctx, node, m):
     def entry(batch):
         if batch not in per_batch:
             per_batch[batch] = _int8._geometry_entry((batch,) + tuple(xshape), packed.shape, geometry['stride'],
-                                                     geometry['padding'], geometry['dilation'], geometry['groups'], packed)
+                                                     geometry['padding'], geometry['dilation'], geometry['groups'], packed,
+                                                     nhwc)
         return per_batch[batch]
     oshape = entry(1)['oshape'][1:]
-    groups = geometry['groups']
-    cout = packed.shape[0]
+    groups, cout, xstored = geometry['groups'], packed.shape[0], ((xshape[1], xshape[2], xshape[0]) if nhwc else tuple(xshape))
     def bind(arrays, batch):
         ge = entry(batch)
-        xa = arrays[x].reshape((batch,) + tuple(xshape))
-        out = arrays[node.name].reshape(ge['oshape'])
+        xa, out = arrays[x].reshape((batch,) + xstored), arrays[node.name]
         sh_, sw_, ph, pw, dh, dw, oh, ow = ge['geom']
         if packed.level == 'loops':
             return [(_qconv_loops, (xa, rq['zx'], wq, rq['bias'], rq['mult'], rq['sh'], rq['zp'], rq['qmin'], rq['qmax'],
                                     sh_, sw_, ph, pw, dh, dw, groups, out))]
         serial, parallel = _int8._DRIVERS[packed.level][packed.mv]
         run = parallel if ge['macs'] >= _int8.PARALLEL_MACS and numba.get_num_threads() > 1 else serial
-        return [(run, (xa.view(np.uint8), rq['flip'], rq['add'], rq['padv'], ph, pw, packed.shape[1], packed.cgp,
+        return [(run, (xa.view(np.uint8), nhwc, rq['flip'], rq['add'], rq['padv'], ph, pw, packed.shape[1], packed.cgp,
                        arrays[node.name + '#packed'], packed.weights, ge['base'], ge['obase'], ge['koff'], rq['lp'],
-                       rq['zp'], rq['qmin'], rq['qmax'], groups, cout // groups, oh * ow, out.view(np.uint8),
+                       rq['zp'], rq['qmin'], rq['qmax'], groups, cout // groups, 1 if nhwc else oh * ow, out.view(np.uint8),
                        arrays[node.name + '#tile'], arrays[node.name + '#r8']))]
     scratch = {}
     if packed.level != 'loops':
@@ -287,7 +287,7 @@ def _lower_quantized_conv(ctx, node, m):
                    'r8': (lambda b: (n * numba.get_num_threads(),), np.uint8)}
     macs = int(np.prod(oshape)) * int(np.prod(packed.shape[1:]))
     kind = f"int8 {'linear' if linear else 'conv'} ({_int8.kernel_name(packed.level)})"
-    out = Value((cout,) if linear else tuple(oshape), np.dtype(np.int8), 'flat' if linear else 'nchw')
+    out = Value((cout,) if linear else tuple(oshape), np.dtype(np.int8), 'flat' if linear else 'nhwc' if nhwc else 'nchw')
     return Step(node.name, kind, (x,), node.name, bind, scratch, 2 * macs), out
 
 def _lower_quantized_add(ctx, node, m):
@@ -307,21 +307,22 @@ def _lower_quantized_add(ctx, node, m):
     return Step(node.name, 'int8 add (a table of its 65,536 sums)', (a, b), node.name, bind), Value(v.shape, np.dtype(np.int8), v.layout)
 
 def _lower_quantized_pool(ctx, node, m):
-    x = ctx.need(node.inputs[0], 'nchw')
+    layout = 'nhwc' if isinstance(m, QuantizedMaxPool2d) else 'nchw'   # the max of int8 values: the float kernel's
+    x = ctx.need(node.inputs[0], layout)
     c, h, w = ctx.values[x].shape
     if isinstance(m, QuantizedMaxPool2d):
         kh, kw = _pair(m.kernel_size)
         sh, sw = _pair(m.kernel_size if m.stride is None else m.stride)
         ph, pw = _pair(m.padding)
         oh, ow = conv_output_size(h, kh, sh, ph), conv_output_size(w, kw, sw, pw)
-        def bind(arrays, batch): return [(_qmax_pool, (arrays[x], kh, kw, sh, sw, ph, pw, arrays[node.name]))]
-        kind = 'int8 max pool'
+        def bind(arrays, batch): return [(_max_pool_nhwc, (arrays[x], kh, kw, sh, sw, ph, pw, 1, 1, arrays[node.name]))]
+        kind = 'int8 max pool (NHWC)'
     else:
         oh, ow = _pair(m.output_size)
         ys, xs = _bins(h, oh), _bins(w, ow)
         def bind(arrays, batch): return [(_qavg_pool, (arrays[x], ys, xs, arrays[node.name]))]
         kind = 'int8 adaptive avg pool'
-    return Step(node.name, kind, (x,), node.name, bind), Value((c, oh, ow), np.dtype(np.int8), 'nchw')
+    return Step(node.name, kind, (x,), node.name, bind), Value((c, oh, ow), np.dtype(np.int8), layout)
 
 def _run_eager(module, xs, out):
     "A layer the runtime has no kernel for: run it eagerly on NCHW copies of its inputs and copy the result into `out`."

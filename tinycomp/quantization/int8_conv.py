@@ -111,6 +111,29 @@ def _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
             for ix in range(w):
                 xf[dst + np.uint64(ix * cp)] = 0
 
+@njit(cache=True, inline='always')
+def _pack_row_nhwc(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
+    "`_pack_row` for an NHWC input `xu` (N, H, W, C): each pixel's channels are consecutive, so the copy is too."
+    h, w, c_ = xu.shape[1], xu.shape[2], xu.shape[3]
+    hp, wp, cp = xp.shape[1], xp.shape[2], xp.shape[3]
+    n = t // hp
+    y = t % hp
+    iy = y - ph
+    if iy < 0 or iy >= h:
+        xp[n, y, :, :] = padv
+        return
+    for ix in range(pw):
+        xp[n, y, ix, :] = padv
+        xp[n, y, wp - 1 - ix, :] = padv
+    xf, uf = xp.reshape(-1), xu.reshape(-1)
+    for ix in range(w):
+        src, dst = np.uint64(((n * h + iy) * w + ix) * c_), np.uint64(((n * hp + y) * wp + ix + pw) * cp)
+        for g in range(groups):
+            for c in range(cg):
+                xf[dst + np.uint64(g * cgp + c)] = (np.int32(uf[src + np.uint64(g * cg + c)]) ^ flip) + add
+            for c in range(cg, cgp):
+                xf[dst + np.uint64(g * cgp + c)] = 0
+
 @njit(cache=True)
 def _pack_weights(wq, groups, cgp, lanes, r, out):
     """wq (Cout, cg, kh, kw) into the zeroed `out` (groups, blocks, kh*kw*cgp/r, lanes, r) (int8 for r = 4, int16
@@ -168,9 +191,11 @@ PARALLEL_MACS = 1 << 21                       # below this many multiply-adds a 
 
 def _make_driver(isa, mv):
     """(serial, parallel) Numba drivers of the `isa` ('vnni' or 'avx2') conv with `mv` vectors of output channels:
-    `run(xu, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups, coutg, ohw, out,
-    tile, r8)` packs `xu` into `xp`, then computes all chunks into `out` (NCHW, viewed as uint8); `tile` (int32) and
-    `r8` (uint8) are scratch arrays of `driver_scratch(level, mv)` values per thread (one slice each)."""
+    `run(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups, coutg,
+    ohw, out, tile, r8)` packs `xu` (NCHW, or NHWC if `x_nhwc`) into `xp`, then computes all chunks into `out` (viewed
+    as uint8): output pixel p, channel c at obase[p] + c * ohw, so NCHW with ohw = OH*OW and obase from
+    `_pixel_offsets`, NHWC with ohw = 1 and obase[p] = p * Cout. `tile` (int32) and `r8` (uint8) are scratch arrays of
+    `driver_scratch(level, mv)` values per thread (one slice each)."""
     vnni = isa == 'vnni'
     np_ = (_NP if vnni else _NP2)[mv]
     lanes = (16 if vnni else 8) * mv
@@ -201,6 +226,12 @@ def _make_driver(isa, mv):
                         else: _ak2(xf, g * gbytes, wf, wofs, base, b * np_, koff, kq, tb)
                 _requant_rows(tile, nq, lanes, lp[blk], ozp, qmin, qmax, r8)
                 co0 = g * coutg + cb * lanes
+                if ohw == 1:                          # NHWC: each pixel's channels are consecutive in `out` too
+                    for p in range(nq):
+                        d, t = np.uint64(obase[q0 + p] + co0), np.uint64(p * lanes)
+                        for l in range(min(lanes, coutg - cb * lanes)):
+                            of[d + np.uint64(l)] = r8[t + np.uint64(l)]
+                    continue
                 for l in range(min(lanes, coutg - cb * lanes)):
                     if contiguous:
                         d = obase[q0] + (co0 + l) * ohw
@@ -211,20 +242,22 @@ def _make_driver(isa, mv):
                             of[obase[q0 + p] + (co0 + l) * ohw] = r8[p * lanes + l]
 
     @njit(cache=True)
-    def run_serial(xu, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups,
+    def run_serial(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups,
                    coutg, ohw, out, tile, r8):
         for t in range(xp.shape[0] * xp.shape[1]):
-            _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
+            if x_nhwc: _pack_row_nhwc(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
+            else: _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
         xf, wf, of = xp.view(np.uint8).ravel(), wp.ravel(), out.ravel()
         for ch in range(((obase.size + np_ - 1) // np_ + per - 1) // per):
             chunk(ch, xf, cgp * xp.itemsize, wf, base, obase, koff, lp, ozp, qmin, qmax, groups, coutg, ohw, of, tile, r8)
         return out
 
     @njit(parallel=True, cache=True)
-    def run_parallel(xu, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups,
+    def run_parallel(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups,
                      coutg, ohw, out, tile, r8):        # tile, r8: a slice for each thread
         for t in prange(xp.shape[0] * xp.shape[1]):
-            _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
+            if x_nhwc: _pack_row_nhwc(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
+            else: _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
         xf, wf, of = xp.view(np.uint8).ravel(), wp.ravel(), out.ravel()
         for ch in prange(((obase.size + np_ - 1) // np_ + per - 1) // per):
             n, tid = per * np_ * lanes, numba.get_thread_id()
@@ -339,8 +372,9 @@ def _requant_entry(xq, x_zero_point, wq, bias, multiplier, shift, out_zero_point
     e.update(flip=flip, add=add, padv=padv, lp=np.ascontiguousarray(lp.astype(np.int32)))   # beff fits: MAX_REDUCTION
     return e
 
-def _geometry_entry(xshape, wshape, stride, padding, dilation, groups, packed):
-    "Output size, padded input shape and pixel offsets of a conv of an `xshape` input with `packed`'s weights."
+def _geometry_entry(xshape, wshape, stride, padding, dilation, groups, packed, nhwc=False):
+    """Output size, padded input shape and pixel offsets of a conv of an `xshape` (N, C, H, W) input with `packed`'s
+    weights; `nhwc`: output offsets for an NHWC output (the driver's ohw = 1)."""
     geom = _geometry(xshape, wshape, stride, padding, dilation, groups)
     sh_, sw_, ph, pw, dh, dw, oh, ow = geom
     n, c, h, w = xshape
@@ -351,6 +385,7 @@ def _geometry_entry(xshape, wshape, stride, padding, dilation, groups, packed):
     esize, r = (1, 4) if vnni else (2, 2)
     hp, wp, pix = h + 2 * ph, w + 2 * pw, groups * cgp * esize          # pix: bytes per padded pixel
     base, obase = _pixel_offsets(n, oh, ow, hp, wp, pix, sh_, sw_, (_NP if vnni else _NP2)[mv], cout)
+    if nhwc: obase = np.arange(n * oh * ow, dtype=np.int64) * cout
     koff = ((np.arange(kh)[:, None, None] * dh * wp + np.arange(kw)[None, :, None] * dw) * pix
             + 4 * np.arange(cgp // r)[None, None, :]).astype(np.int64).ravel()
     e.update(xpshape=(n, hp, wp, groups * cgp), xpdtype=np.uint8 if vnni else np.int16, base=base, obase=obase, koff=koff)
@@ -416,7 +451,7 @@ def quantized_conv2d(xq, x_zero_point, wq, bias, multiplier, shift, out_zero_poi
                             rq['qmin'], rq['qmax'], sh_, sw_, ph, pw, dh, dw, groups, out)
     serial, parallel = _DRIVERS[packed.level][packed.mv]
     run = parallel if ge['macs'] >= PARALLEL_MACS and numba.get_num_threads() > 1 else serial
-    run(xq.view(np.uint8), rq['flip'], rq['add'], rq['padv'], ge['geom'][2], ge['geom'][3], packed.shape[1],
+    run(xq.view(np.uint8), False, rq['flip'], rq['add'], rq['padv'], ge['geom'][2], ge['geom'][3], packed.shape[1],
         packed.cgp, np.empty(ge['xpshape'], ge['xpdtype']), packed.weights, ge['base'], ge['obase'], ge['koff'],
         rq['lp'], rq['zp'], rq['qmin'], rq['qmax'], groups, packed.shape[0] // groups,
         ge['oshape'][2] * ge['oshape'][3], out.view(np.uint8), *_scratch(packed.level, packed.mv, run is serial))
