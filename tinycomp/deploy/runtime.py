@@ -19,14 +19,14 @@ from ..graph import Graph, trace
 from ..nn.modules import Add, Flatten, Hardtanh, Module, ReLU
 from ..pooling import AdaptiveAvgPool2d, MaxPool2d
 from ..quantization import int8_conv as _int8
-from ..quantization.kernels import _qavg_pool, _qconv_loops, _quantized_add2
+from ..quantization.kernels import _qconv_loops, _quantized_add2
 from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
                                           QuantizedConv2d, QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
 from ..tiles import FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
 from .kernels import (_adaptive_avg_nhwc, _add, _add_by_table, _all_finite, _clamp, _conv_direct_nhwc,
-                                     _dequantize, _epilogue, _im2col_nhwc, _max_pool_nhwc, _quantize, nchw_to_nhwc,
-                                     nhwc_to_nchw)
+                                     _dequantize, _epilogue, _im2col_nhwc, _max_pool_nhwc, _qavg_pool_nhwc, _quantize,
+                                     nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
 from .passes import FLOAT_PASSES, FusedConv2d, FusedLinear, activation_bounds, epilogue_activation, optimize
 
@@ -307,8 +307,7 @@ def _lower_quantized_add(ctx, node, m):
     return Step(node.name, 'int8 add (a table of its 65,536 sums)', (a, b), node.name, bind), Value(v.shape, np.dtype(np.int8), v.layout)
 
 def _lower_quantized_pool(ctx, node, m):
-    layout = 'nhwc' if isinstance(m, QuantizedMaxPool2d) else 'nchw'   # the max of int8 values: the float kernel's
-    x = ctx.need(node.inputs[0], layout)
+    x = ctx.need(node.inputs[0], 'nhwc')             # (the max of int8 values: the float kernel's)
     c, h, w = ctx.values[x].shape
     if isinstance(m, QuantizedMaxPool2d):
         kh, kw = _pair(m.kernel_size)
@@ -320,9 +319,9 @@ def _lower_quantized_pool(ctx, node, m):
     else:
         oh, ow = _pair(m.output_size)
         ys, xs = _bins(h, oh), _bins(w, ow)
-        def bind(arrays, batch): return [(_qavg_pool, (arrays[x], ys, xs, arrays[node.name]))]
-        kind = 'int8 adaptive avg pool'
-    return Step(node.name, kind, (x,), node.name, bind), Value((c, oh, ow), np.dtype(np.int8), layout)
+        def bind(arrays, batch): return [(_qavg_pool_nhwc, (arrays[x], ys, xs, arrays[node.name]))]
+        kind = 'int8 adaptive avg pool (NHWC)'
+    return Step(node.name, kind, (x,), node.name, bind), Value((c, oh, ow), np.dtype(np.int8), 'nhwc')
 
 def _run_eager(module, xs, out):
     "A layer the runtime has no kernel for: run it eagerly on NCHW copies of its inputs and copy the result into `out`."
