@@ -179,11 +179,11 @@ def _requant_rows(tile, rows, lanes, lp, ozp, qmin, qmax, r8):
             a = np.int32(tile[p * lanes + l] + lp[0, l])
             a = np.int32(a << lp[2, l])                              # wraps as TFLite's x * (1 << left_shift)
             ab = np.int64(a) * np.int64(lp[1, l])                    # int32 x int32 -> int64
-            v = ab + ((1 << 30) if ab >= 0 else (1 - (1 << 30)))
-            q = np.int32((v + ((v >> 63) & 0x7FFFFFFF)) >> 31)       # division by 2**31 rounding toward zero
-            mask = np.int32((np.int32(1) << lp[3, l]) - 1)
-            thr = np.int32((mask >> 1) - (q >> 31))                  # + 1 for negative q
-            res = np.int32((q >> lp[3, l]) + ((q & mask) > thr)) + ozp
+            s = ab >> 63                                             # 0, or -1 for a negative product
+            qa = ((ab ^ s) - s + (1 << 30) + s) >> 31                # |ab / 2**31| rounded as TFLite: a tie goes up
+            e = lp[3, l]
+            ra = (qa + ((np.int64(1) << e) >> 1)) >> e               # |q| / 2**e rounded, ties away from zero
+            res = np.int32((ra ^ s) - s) + ozp                       # the sign back: bit-exact with _mbqm, no branch
             r8[p * lanes + l] = min(max(res, qmin), qmax)
 
 _PER = 16                                     # micro-kernel calls per chunk of pixels
