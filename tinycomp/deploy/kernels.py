@@ -204,26 +204,28 @@ def _dequantize(q, scale, zero_point, out):
     for k in range(out.size):
         out[k] = np.float32(np.int64(q[k]) - zero_point) * scale
 
-@njit(parallel=True, cache=True)
-def _qavg_pool_nhwc(x, ys, xs, out):
+@njit(cache=True)
+def _qavg_pool_nhwc(x, ys, xs, acc, out):
     """Module 04's integer adaptive average pool on NHWC int8 `x` into NHWC `out`: each bin's integer mean, rounded
-    half to even (bin i spans rows ys[i]..ys[i + OH], columns likewise), summed over the channels of a pixel at once."""
+    half to even (bin i spans rows ys[i]..ys[i + OH], columns likewise), a pixel's channels summed at once into
+    `acc`, an int64 scratch array of C values (so nothing is allocated per call)."""
     n_, h, w, c_ = x.shape
     oh, ow = out.shape[1], out.shape[2]
-    for t in prange(n_ * oh * ow):
-        n, i, j = t // (oh * ow), (t // ow) % oh, t % ow
-        acc = np.zeros(c_, np.int64)
-        for iy in range(ys[i], ys[i + oh]):
-            for ix in range(xs[j], xs[j + ow]):
-                src = x[n, iy, ix]
+    for n in range(n_):
+        for i in range(oh):
+            for j in range(ow):
+                acc[:] = 0
+                for iy in range(ys[i], ys[i + oh]):
+                    for ix in range(xs[j], xs[j + ow]):
+                        src = x[n, iy, ix]
+                        for c in range(c_):
+                            acc[c] += src[c]
+                cnt = (ys[i + oh] - ys[i]) * (xs[j + ow] - xs[j])
                 for c in range(c_):
-                    acc[c] += src[c]
-        cnt = (ys[i + oh] - ys[i]) * (xs[j + ow] - xs[j])
-        for c in range(c_):
-            f = acc[c] // cnt                        # floor, then half to even as module 04's kernel
-            r = acc[c] - f * cnt
-            if 2 * r > cnt or (2 * r == cnt and f % 2 != 0): f += 1
-            out[n, i, j, c] = f
+                    f = acc[c] // cnt                    # floor, then half to even as module 04's kernel
+                    r = acc[c] - f * cnt
+                    if 2 * r > cnt or (2 * r == cnt and f % 2 != 0): f += 1
+                    out[n, i, j, c] = f
 
 @njit(cache=True)
 def _add_by_table(a, b, table, out):

@@ -315,13 +315,13 @@ def _lower_quantized_pool(ctx, node, m):
         ph, pw = _pair(m.padding)
         oh, ow = conv_output_size(h, kh, sh, ph), conv_output_size(w, kw, sw, pw)
         def bind(arrays, batch): return [(_max_pool_nhwc, (arrays[x], kh, kw, sh, sw, ph, pw, 1, 1, arrays[node.name]))]
-        kind = 'int8 max pool (NHWC)'
+        kind, scratch = 'int8 max pool (NHWC)', {}
     else:
         oh, ow = _pair(m.output_size)
         ys, xs = _bins(h, oh), _bins(w, ow)
-        def bind(arrays, batch): return [(_qavg_pool_nhwc, (arrays[x], ys, xs, arrays[node.name]))]
-        kind = 'int8 adaptive avg pool (NHWC)'
-    return Step(node.name, kind, (x,), node.name, bind), Value((c, oh, ow), np.dtype(np.int8), 'nhwc')
+        def bind(arrays, batch): return [(_qavg_pool_nhwc, (arrays[x], ys, xs, arrays[node.name + '#acc'], arrays[node.name]))]
+        kind, scratch = 'int8 adaptive avg pool (NHWC)', {'acc': (lambda b: (c,), np.int64)}
+    return Step(node.name, kind, (x,), node.name, bind, scratch), Value((c, oh, ow), np.dtype(np.int8), 'nhwc')
 
 def _run_eager(module, xs, out):
     "A layer the runtime has no kernel for: run it eagerly on NCHW copies of its inputs and copy the result into `out`."
