@@ -202,7 +202,8 @@ def test_deployed_times_the_frozen_model(digits, monkeypatch):
         assert r.peak_memory_mb[8] == freeze(model, X[:8]).memory_plan(8).arena_bytes / 1e6 > 0
     assert r.compliance['passed'] and (r.predictions == predict(model, X).argmax(1)).all()
     eager = benchmark(model, digits, batch_sizes=(1,), **FAST)
-    assert not eager.settings['deployed'] and 'frozen' not in eager.table()
+    assert not eager.settings['deployed'] and 'frozen' not in eager.table() and 'peak MB' in eager.table()
+    assert 'arena MB' in r.table()
     c = compare(('float32', model), {'twin': copy.deepcopy(model)}, digits, batch_sizes=(1,), deployed=True, **FAST)
     assert 'every model frozen for deployment' in c.table()
 

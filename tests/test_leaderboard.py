@@ -461,13 +461,14 @@ def test_a_task_can_time_the_models_frozen_for_deployment(tmp_path, files, capsy
     assert all(r['settings']['deployed'] for r in raw['results'].values())
     board = s.leaderboard()
     assert board['deployed'] and 'frozen for deployment' in lb.format_leaderboard(board)
-    assert 'frozen for deployment' in lb.render_page(s)
+    assert 'frozen for deployment' in lb.render_page(s) and 'b64 ms (frozen)' in lb.render_page(s)
+    assert 'deployment latency (both models frozen)' in lb.format_submission(s.submission(a['id']))
     (tmp_path / 'eager').mkdir()
     assert not make_store(tmp_path / 'eager', files).leaderboard()['deployed']
     db = str(tmp_path / 'cli.db')
     assert main(['leaderboard', 'init', '--db', db, '--task-data', str(files['task']), '--baseline',
                  str(files['baseline']), '--deployed']) == 0
-    assert lb.open_store(db).settings['deployed'] is True
+    assert lb.open_store(db).settings['deployed'] is True and 'timed frozen for deployment' in capsys.readouterr().out
 
 
 def test_a_job_left_measuring_is_measured_again_and_a_crashing_one_fails(tmp_path, files):

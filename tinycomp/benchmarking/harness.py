@@ -277,7 +277,7 @@ class BenchmarkResult:
                 for b, d in self.latency.items()]
         cols = [('b', 'batch', 'd'), ('med', 'median ms', '.3f'), ('ci', '95% CI ms', ''), ('p90', 'p90 ms', '.3f'),
                 ('p99', 'p99 ms', '.3f'), ('vmin', 'visit-min ms', '.3f'), ('cv', 'CV', ''), ('tput', 'samples/s', ',.0f'),
-                ('mem', 'peak MB', '.3f')]
+                ('mem', 'arena MB' if self.settings.get('deployed') else 'peak MB', '.3f')]
         lo, hi = self.accuracy_ci
         c = self.compliance
         lines = [f"{self.name}{' (frozen for deployment)' if self.settings.get('deployed') else ''}: accuracy {self.accuracy:.2%} (95% Wilson CI {lo:.2%} to {hi:.2%}, {self.n_test} samples); "
@@ -450,7 +450,7 @@ class Comparison:
         base = self.results[self.baseline]
         lines = [f"against {self.baseline}, {base.n_test} test samples, {base.settings['rounds']} interleaved rounds of "
                  f"{base.settings['calls']} calls per model and batch size, {base.environment['threads']['numba']} thread(s), "
-                 f"{'every model frozen for deployment, ' if base.settings.get('deployed') else ''}"
+                 f"{'every model frozen for deployment' if base.settings.get('deployed') else 'models as loaded (eager)'}, "
                  f"{base.environment['cpu']}", format_table(table, cols), CONVENTIONS]
         if any(any(r['noisy'].values()) for r in self.rows):
             lines.append("* coefficient of variation above 10 %: the machine was busy; trust the 'min' column more, "

@@ -72,7 +72,7 @@ def _run_fold(kind):
     return run
 
 # %% ../../nbs/checks/08_deploy.ipynb #c72dbfbb
-class _FuseChain(Module):
+class _FuseBranches(Module):
     """relu0 reads the input (stays); conv1 -> a clamp (fuses); conv2 is read by relu2 and by side (stays); the add
     and the relu after it (reads an Add: stays) and a ReLU6 (reads a relu: stays); a linear -> ReLU6 (fuses) -> linear."""
     def __init__(self, rng, c0, c1, c2, h):
@@ -102,7 +102,7 @@ def _run_fuse(kind):
     def run(ns, i):
         rng = np.random.default_rng(int(i['seed']))
         c0, c1, c2 = (int(c) for c in i['channels'])
-        model = {'chain': _FuseChain, 'residual': _FuseResidual}[kind](rng, c0, c1, c2, i['x'].shape[2])
+        model = {'branches': _FuseBranches, 'residual': _FuseResidual}[kind](rng, c0, c1, c2, i['x'].shape[2])
         graph = ns.fuse_residual_adds(ns.use_fused_layers(trace(model, i['x'])))
         out = ns.fuse_activations(graph)
         graph = out if isinstance(out, Graph) else graph
@@ -178,7 +178,7 @@ MODULE = ModuleSpec('08', 'deploy', reference=('tinycomp.deploy.passes', 'tinyco
     checks=[
     Check('fold_batchnorms', 'chain', 2, _fold_inputs('chain'), _run_fold('chain')),
     Check('fold_batchnorms', 'branches', 2, _fold_inputs('branches'), _run_fold('branches')),
-    Check('fuse_activations', 'chain', 2, _fold_inputs('chain'), _run_fuse('chain')),
+    Check('fuse_activations', 'branches', 2, _fold_inputs('branches'), _run_fuse('branches')),
     Check('fuse_activations', 'residual', 1, _fold_inputs('residual'), _run_fuse('residual')),
     Check('value_lifetimes', 'chain', 1, _lifetime_inputs('chain'), _run_lifetimes, **_EXACT),
     Check('value_lifetimes', 'dag', 2, _lifetime_inputs('dag'), _run_lifetimes, **_EXACT),

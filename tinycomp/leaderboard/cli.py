@@ -32,7 +32,8 @@ def format_submission(sub) -> str:
     rank = ', '.join(f"{k} track: {'#' + str(v) if v else 'not ranked'}" for k, v in sub['rank'].items())
     lines = [head, f"  accuracy {s['accuracy']:.2%} on the {sub['split']} part ({s['dacc_points']:+.2f} points vs the "
                    f"baseline, p = {s['p_value']:.3f}; gate {s['gate']})",
-             f"  latency {lat}; speedup {s['speedup']:.2f}x", f"  file {s['file_bytes']:,} bytes, compression "
+             f"  {'deployment latency (both models frozen)' if sub.get('deployed') else 'latency'} {lat}; speedup {s['speedup']:.2f}x",
+             f"  file {s['file_bytes']:,} bytes, compression "
              f"{s['compression']:.2f}x; score {s['score']:.{SCORE_DECIMALS}f}", f"  {rank}"]
     lines += [f"  ! {f}" for f in s['flags']]
     return '\n'.join(lines)
@@ -102,7 +103,8 @@ def _run_lb(args) -> int:
                 for suffix in ('', '-wal', '-shm'): Path(str(args.db) + suffix).unlink(missing_ok=True)
             raise
         print(f"created {args.db}: task {info['name']!r}, {info['samples']} evaluation samples ({info['public']} public, "
-              f"{info['private']} private), baseline {info['baseline']}")
+              f"{info['private']} private), baseline {info['baseline']}"
+              f"{'; every model timed frozen for deployment' if args.deployed else ''}")
         print(f"next: `tinycomp leaderboard token NAME --db {args.db}` for each participant, then run a worker or a server")
     elif a == 'token':
         token = open_store(args.db).issue_token(args.name)

@@ -112,7 +112,8 @@ def render_page(store, private=None) -> str:
                  f"Page made {_e(_iso(_now()))}. Every number was measured by the organiser's worker; "
                  "nothing a participant sent was taken on trust.</p></header>")
     # closed track
-    heads = ['rank', 'name', 'accuracy [95% CI]', 'Δacc pts'] + [f'b{b} ms' for b in bs] + \
+    ms = ' ms (frozen)' if lb.get('deployed') else ' ms'
+    heads = ['rank', 'name', 'accuracy [95% CI]', 'Δacc pts'] + [f'b{b}{ms}' for b in bs] + \
             [f'speedup b{b}' for b in bs] + ['size', 'compression', 'score', 'date']
     rows = [[str(r['rank']), _e(r['name']), _fmt_acc(r), f"{r['dacc_points']:+.1f}"] + [_lat(r, b) for b in bs] +
             [_spd(r, b) for b in bs] + [_fmt_kb(r['file_bytes']), f"{r['compression']:.2f}×",
@@ -120,7 +121,7 @@ def render_page(store, private=None) -> str:
     parts.append('<section><h2>Closed track</h2><p class="rules">' + _e(SCORE_FORMULA) + '.</p>' +
                  (_table(heads, rows) if rows else '<p>No ranked entries yet.</p>') + '</section>')
     # open track
-    heads = ['rank', 'Pareto rank', 'name', 'accuracy [95% CI]'] + [f'b{b} ms' for b in bs] + \
+    heads = ['rank', 'Pareto rank', 'name', 'accuracy [95% CI]'] + [f'b{b}{ms}' for b in bs] + \
             [f'speedup b{b}' for b in bs] + ['size', 'compression', 'date']
     rows = [[str(r['rank']), str(r['pareto_rank']), _e(r['name']), _fmt_acc(r)] + [_lat(r, b) for b in bs] +
             [_spd(r, b) for b in bs] + [_fmt_kb(r['file_bytes']), f"{r['compression']:.2f}×", _e(r['date'])]

@@ -127,7 +127,7 @@ def _submission(self, sid, private=None) -> dict:
         mine = [e for e in self.entries(private) if e['id'] == out['id']]
         if mine:
             out['scores'] = {k: v for k, v in _public_row(mine[0]).items() if k not in ('id', 'participant_id', 'name', 'created', 'date')}
-        out['split'] = lb['split']
+        out['split'], out['deployed'] = lb['split'], lb['deployed']
         out['rank'] = {k: next((r['rank'] for r in lb['tracks'][k] if r['id'] == out['id']), None) for k in ('closed', 'open')}
     return out
 
