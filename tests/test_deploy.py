@@ -102,6 +102,33 @@ def test_a_fused_layer_with_a_clamp_is_saved_and_loaded(tmp_path):
         FusedConv2d(1, 1, 1, activation=(1.0, 1.0))
 
 
+class Scaled(nn.Module):
+    "A gain computed from a parameter on every call (constant), times the output of a conv."
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gain = nn.Conv2d(1, 4, 3, padding=1), nn.Parameter(np.arange(4, dtype=np.float32).reshape(1, 4, 1, 1))
+    def forward(self, x): return self.conv(x) * (self.gain * 2.0 + 1.0)
+
+
+def test_constants_are_folded_and_dead_nodes_removed(tmp_path):
+    from tinycomp import io as tio
+    from tinycomp.deploy.passes import Constant, fold_constants, remove_dead_nodes
+    x = images(3, seed=5)
+    model = Scaled().eval()
+    graph = optimize(trace(model, x), check_input=x)
+    assert [n.op for n in graph] == ['FusedConv2d', 'Constant', 'mul']                          # gain * 2 + 1 ran once
+    assert np.array_equal(graph[[n.name for n in graph][1]].module.value, np.arange(4).reshape(1, 4, 1, 1) * 2.0 + 1.0)
+    frozen = freeze(model, x)
+    np.testing.assert_allclose(frozen.run(x), _eager(model, x), rtol=0, atol=1e-5)
+    back = tio.load(tio.save(graph, tmp_path / 'c.npz'))                                      # a Constant is saved too
+    assert same_outputs(graph, back, x) == 0
+    inp = Graph([Node('a', nn.ReLU(), ('input',)), Node('dead', nn.Add(), ('input', 'a')), Node('b', nn.ReLU(), ('a',)),
+                 Node('dead2', nn.ReLU(), ('dead',))], 'b', 'input')
+    assert [n.name for n in remove_dead_nodes(copy.deepcopy(inp))] == ['a', 'b']
+    assert [n.name for n in remove_dead_nodes(fold_constants(copy.deepcopy(inp)))] == ['a', 'b']   # nothing constant here
+    assert isinstance(Constant.of(np.ones(2)), Constant)
+
+
 def test_layers_without_a_kernel_run_eagerly_and_layouts_change_only_where_needed():
     for model in (trained_like(BranchyNet()), trained_like(QuantizableNet())):
         x = images(6, seed=3)

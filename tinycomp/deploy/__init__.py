@@ -9,7 +9,7 @@ __all__ = []
 from ..lazy import lazy_attributes
 
 _PARTS = {
-    'passes': ('IDENTITY_LAYERS', 'epilogue_activation', 'activation_bounds', 'FLOAT_PASSES', 'same_outputs', 'remove_identities', 'fold_batchnorms',
+    'passes': ('IDENTITY_LAYERS', 'epilogue_activation', 'activation_bounds', 'FLOAT_PASSES', 'same_outputs', 'remove_identities', 'Constant', 'fold_constants', 'remove_dead_nodes', 'fold_batchnorms',
                'FusedConv2d', 'FusedLinear', 'use_fused_layers', 'fuse_residual_adds', 'fuse_activations', 'optimize'),
     'memory': ('ALIGNMENT', 'value_lifetimes', 'assign_offsets', 'overlapping_values', 'MemoryPlan', 'plan_memory',
                'graph_value_sizes', 'plot_memory_plan'),
