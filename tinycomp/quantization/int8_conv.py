@@ -84,11 +84,12 @@ _mk1, _mk2, _mk3, _mk4 = (_make_microkernel(_NP[mv], mv) for mv in (1, 2, 3, 4))
 
 # %% ../../nbs/04d_int8_conv.ipynb #20085a26
 @njit(cache=True, inline='always')
-def _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
+def _pack_row(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
     """Row t (sample t // Hp, padded row t % Hp) of the padded NHWC input `xp` (N, H+2ph, W+2pw, groups*cgp) from
-    `xu`, the NCHW input viewed as uint8: values `(xu ^ flip) + add` (flip = 128 turns an int8 viewed as uint8 into
-    x + 128), spatial padding `padv`, spare channels 0. The dtype of `xp` (uint8 or int16) is the kernel's."""
-    c_, h, w = xu.shape[1], xu.shape[2], xu.shape[3]
+    `xu`, the input viewed as uint8, NCHW (or NHWC if `x_nhwc`): values `(xu ^ flip) + add` (flip = 128 turns an int8
+    viewed as uint8 into x + 128), spatial padding `padv`, spare channels 0. The dtype of `xp` (uint8 or int16) is
+    the kernel's."""
+    c_, h, w = (xu.shape[3], xu.shape[1], xu.shape[2]) if x_nhwc else (xu.shape[1], xu.shape[2], xu.shape[3])
     hp, wp, cp = xp.shape[1], xp.shape[2], xp.shape[3]
     n = t // hp
     y = t % hp
@@ -101,6 +102,15 @@ def _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
         xp[n, y, wp - 1 - ix, :] = padv
     xf, uf = xp.reshape(-1), xu.reshape(-1)    # flat and unsigned indices: no check for negative ones (1.5x faster)
     row0 = ((n * hp + y) * wp + pw) * cp
+    if x_nhwc:                                 # each pixel's channels are consecutive, so the copy is too
+        for ix in range(w):
+            src, dst = np.uint64(((n * h + iy) * w + ix) * c_), np.uint64(row0 + ix * cp)
+            for g in range(groups):
+                for c in range(cg):
+                    xf[dst + np.uint64(g * cgp + c)] = (np.int32(uf[src + np.uint64(g * cg + c)]) ^ flip) + add
+                for c in range(cg, cgp):
+                    xf[dst + np.uint64(g * cgp + c)] = 0
+        return
     for g in range(groups):
         for c in range(cg):                   # a contiguous input row, written with a stride of one pixel
             src, dst = np.uint64(((n * c_ + g * cg + c) * h + iy) * w), np.uint64(row0 + g * cgp + c)
@@ -110,29 +120,6 @@ def _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
             dst = np.uint64(row0 + g * cgp + c)
             for ix in range(w):
                 xf[dst + np.uint64(ix * cp)] = 0
-
-@njit(cache=True, inline='always')
-def _pack_row_nhwc(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t):
-    "`_pack_row` for an NHWC input `xu` (N, H, W, C): each pixel's channels are consecutive, so the copy is too."
-    h, w, c_ = xu.shape[1], xu.shape[2], xu.shape[3]
-    hp, wp, cp = xp.shape[1], xp.shape[2], xp.shape[3]
-    n = t // hp
-    y = t % hp
-    iy = y - ph
-    if iy < 0 or iy >= h:
-        xp[n, y, :, :] = padv
-        return
-    for ix in range(pw):
-        xp[n, y, ix, :] = padv
-        xp[n, y, wp - 1 - ix, :] = padv
-    xf, uf = xp.reshape(-1), xu.reshape(-1)
-    for ix in range(w):
-        src, dst = np.uint64(((n * h + iy) * w + ix) * c_), np.uint64(((n * hp + y) * wp + ix + pw) * cp)
-        for g in range(groups):
-            for c in range(cg):
-                xf[dst + np.uint64(g * cgp + c)] = (np.int32(uf[src + np.uint64(g * cg + c)]) ^ flip) + add
-            for c in range(cg, cgp):
-                xf[dst + np.uint64(g * cgp + c)] = 0
 
 @njit(cache=True)
 def _pack_weights(wq, groups, cgp, lanes, r, out):
@@ -245,8 +232,7 @@ def _make_driver(isa, mv):
     def run_serial(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups,
                    coutg, ohw, out, tile, r8):
         for t in range(xp.shape[0] * xp.shape[1]):
-            if x_nhwc: _pack_row_nhwc(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
-            else: _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
+            _pack_row(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
         xf, wf, of = xp.view(np.uint8).ravel(), wp.ravel(), out.ravel()
         for ch in range(((obase.size + np_ - 1) // np_ + per - 1) // per):
             chunk(ch, xf, cgp * xp.itemsize, wf, base, obase, koff, lp, ozp, qmin, qmax, groups, coutg, ohw, of, tile, r8)
@@ -256,8 +242,7 @@ def _make_driver(isa, mv):
     def run_parallel(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, xp, wp, base, obase, koff, lp, ozp, qmin, qmax, groups,
                      coutg, ohw, out, tile, r8):        # tile, r8: a slice for each thread
         for t in prange(xp.shape[0] * xp.shape[1]):
-            if x_nhwc: _pack_row_nhwc(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
-            else: _pack_row(xu, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
+            _pack_row(xu, x_nhwc, flip, add, padv, ph, pw, cg, cgp, groups, xp, t)
         xf, wf, of = xp.view(np.uint8).ravel(), wp.ravel(), out.ravel()
         for ch in prange(((obase.size + np_ - 1) // np_ + per - 1) // per):
             n, tid = per * np_ * lanes, numba.get_thread_id()
