@@ -307,13 +307,36 @@ def test_ctrl_c_stops_every_child_and_keeps_the_finished_rows(tmp_path):
         kids = below(p.pid)
         assert kids, 'no grading child to interrupt'
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        try: _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"tinycomp grade did not exit within 60 s of the interrupt; it printed: {p.communicate()[1]}") from None
     finally:
         if p.poll() is None: p.kill()
     assert p.returncode == 130 and 'interrupted' in err and 'run the same command to go on' in err, err
     assert not [k for k in kids if Path(f'/proc/{k}').exists()], 'a grading child outlived the grader'
     assert set(rows_of(out)) == {'alice'} and float(rows_of(out)['alice']['total']) == SPEC.possible
     assert list(scratch.iterdir()) == []                                 # every working folder removed
+
+
+def test_a_grading_stuck_in_the_grader_does_not_hold_up_an_interrupt(tmp_path):
+    "A grading that does not end once its children are killed (stuck in the grader itself) is left behind, and said."
+    d = tmp_path / 'class'
+    copy_solutions(d / 'alice')
+    code = f"""
+import os, signal, threading, time
+import tinycomp.course.gradebook as gb
+gb.INTERRUPT_GRACE = 1.0
+def stuck(*a, **k):
+    while True: time.sleep(0.05)
+gb.grade_notebook = stuck
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+gb.grade({str(d)!r}, '01', {str(tmp_path / 'g.csv')!r}, key=b'k' * 32, sandbox=False, progress=False)
+"""
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 130, r.stderr
+    assert 'run the same command to go on' in r.stderr and '1 grading(s) still ran 1 s after the interrupt' in r.stderr
+    assert 'in stuck' in r.stderr                                       # where it was stuck: the thread's stack
 
 
 # ---------------------------------------------------------------- what is graded is what was read, once
