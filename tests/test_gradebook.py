@@ -297,8 +297,11 @@ def test_ctrl_c_stops_every_child_and_keeps_the_finished_rows(tmp_path):
     out, scratch = tmp_path / 'gradebook.csv', tmp_path / 'tmp'
     scratch.mkdir()
     env = {**os.environ, 'TINYCOMP_GRADING_KEY': str(tmp_path / 'course.key'), 'TMPDIR': str(scratch)}
+    # a shell that starts a job in the background (`cmd &`) ignores SIGINT for it, and Python then never turns SIGINT
+    # into KeyboardInterrupt: give the grader the default handling, as a terminal does
     p = subprocess.Popen([sys.executable, '-m', 'tinycomp.cli', 'grade', str(d), '--module', '01', '--gradebook', str(out),
-                          '--no-sandbox', '--new-key'], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          '--no-sandbox', '--new-key'], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:                               # until alice is in and zoe's child spins
@@ -324,13 +327,14 @@ def test_a_grading_stuck_in_the_grader_does_not_hold_up_an_interrupt(tmp_path):
     d = tmp_path / 'class'
     copy_solutions(d / 'alice')
     code = f"""
-import os, signal, threading, time
+import os, signal, time
+signal.signal(signal.SIGINT, signal.default_int_handler)     # even when started from a background job (SIGINT ignored)
 import tinycomp.course.gradebook as gb
 gb.INTERRUPT_GRACE = 1.0
 def stuck(*a, **k):
+    time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)   # interrupted while this grading is under way
     while True: time.sleep(0.05)
 gb.grade_notebook = stuck
-threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 gb.grade({str(d)!r}, '01', {str(tmp_path / 'g.csv')!r}, key=b'k' * 32, sandbox=False, progress=False)
 """
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=ROOT)
