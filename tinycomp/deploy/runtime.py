@@ -23,7 +23,7 @@ from ..quantization.kernels import _qconv_loops, _quantized_add2
 from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
                                           QuantizedConv2d, QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
-from ..tiles import FLOAT_LANES, TILE_PIXELS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
+from ..tiles import FLOAT_LANES, TILE_FLOATS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
 from .kernels import (_adaptive_avg_nhwc, _add, _add_by_table, _all_finite, _clamp, _conv_direct_nhwc,
                                      _dequantize, _epilogue, _im2col_nhwc, _max_pool_nhwc, _qavg_pool_nhwc, _quantize,
                                      nchw_to_nhwc, nhwc_to_nchw)
@@ -140,7 +140,7 @@ def _lower_tiled_conv(node, m, x, res, in_shape, geometry, bias, clamp):
         calls.append((tile_driver(out.shape[0]), (xp, packed.weights, base, koff, bias, r, res is not None, *clamp, out,
                                                   arrays[node.name + '#tile'], out.shape[0], 0)))
         return calls
-    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(),), np.float32)}   # one per thread
+    scratch = {'tile': (lambda b: (TILE_FLOATS * numba.get_num_threads(),), np.float32)}   # one per thread
     if padded: scratch['padded'] = (lambda b: (b, h + 2 * ph, w + 2 * pw, c), np.float32)
     flops = 2 * oh * ow * cout * c * kh * kw
     return Step(node.name, 'conv (register tiles)', (x,) + ((res,) if res else ()), node.name, bind, scratch, flops,
@@ -168,7 +168,7 @@ def _lower_fused_linear(ctx, node, m):
         if batch not in offsets: offsets[batch] = tile_offsets(batch, 1, 1, k, 1, 1)[:2]
         return [(tile_driver(batch), (xa, packed.weights, *offsets[batch], bias, out, False, *clamp, out,
                                       arrays[node.name + '#tile'], batch, 0))]
-    scratch = {'tile': (lambda b: (TILE_PIXELS * FLOAT_LANES * numba.get_num_threads(),), np.float32)} if FLOAT_LANES else {}
+    scratch = {'tile': (lambda b: (TILE_FLOATS * numba.get_num_threads(),), np.float32)} if FLOAT_LANES else {}
     kind = 'linear (GEMM; register tiles with threads)' if FLOAT_LANES else 'linear (GEMM)'
     return Step(node.name, kind, (x,), node.name, bind, scratch, 2 * wt.size), out_value
 
