@@ -13,6 +13,7 @@ from tinycomp.deploy.runtime import freeze, steady_state_allocations
 from tinycomp.errors import ShapeError, TinycompError
 from tinycomp.graph import Graph, GraphError, Node, trace
 from tinycomp.models import MODELS, load_pretrained, model_data
+from tinycomp.quantization.layers import QuantizedConv2d, QuantizedLinear
 from tinycomp.quantization.models import quantize_static
 from tinycomp.tensor import Tensor, no_grad
 
@@ -86,10 +87,55 @@ def test_relu6_and_clamps_go_into_the_epilogue_or_run_as_a_clamp(precision):
         assert acts == [(0.0, 6.0), (-0.5, 1.5), (0.0, 6.0), (-2.0, 2.0)]      # conv, depthwise, residual conv, linear
         assert kinds.count('clamp') == 1 and not any(k.endswith('(eager)') for k in kinds)   # the ReLU6 after the pool
         np.testing.assert_allclose(frozen.run(x), _eager(model, x), rtol=0, atol=1e-5)
-    else:
-        assert kinds.count('clamp') == 5 and not any(k.endswith('(eager)') for k in kinds)   # int8: a clamp of its own
+    else:                                                    # int8: the clamps join the conv's and linear's own clamp
+        fused = [n.module.clamp_levels is not None for n in frozen.graph if isinstance(n.module, (QuantizedConv2d, QuantizedLinear))]
+        assert fused == [True, True, True]                  # conv, depthwise, linear (the residual conv's add comes first)
+        assert kinds.count('clamp') == 2 and not any(k.endswith('(eager)') for k in kinds)   # after the add, after the pool
+        assert sum(k.endswith('+ add (table)') for k in kinds) == 1
         assert np.array_equal(frozen.run(x), _eager(model, x))
     assert np.unique(frozen.run(x)).size > 10
+
+
+class AddFirstNet(nn.Module):
+    "A residual add whose conv is the add's second input."
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pw, self.a1 = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 1), nn.ReLU()
+        self.pool, self.flat, self.fc = nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 16, 10)
+    def forward(self, x):
+        h = self.a1(self.conv(x))
+        return self.fc(self.flat(self.pool(h + self.pw(h))))
+
+
+def test_int8_fusions_keep_the_add_order():
+    from tinycomp.deploy.passes import PASSES, QuantizedConvAdd, add_table
+    x = images(16, seed=5) * 3
+    model = quantize_static(trained_like(AddFirstNet()), x)
+    graph = optimize(trace(model, x[:2]), PASSES, check_input=x)            # bit for bit, pass by pass
+    adds = [n.module for n in graph if isinstance(n.module, QuantizedConvAdd)]
+    assert len(adds) == 1 and not adds[0].conv_first
+    assert np.array_equal(adds[0].table().reshape(256, 256), add_table(adds[0].add).reshape(256, 256).T)
+    frozen = freeze(model, x[:4])
+    for threads in (1, 2):
+        import numba
+        before = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try: assert np.array_equal(frozen.run(x), _eager(model, x))
+        finally: numba.set_num_threads(before)
+
+
+def test_an_int8_clamp_whose_range_misses_the_conv_clamp_stays_a_clamp():
+    from tinycomp.deploy.passes import fuse_int8_clamps
+    from tinycomp.quantization.layers import QuantizedHardtanh
+    conv = QuantizedConv2d(1, 2, 1, relu=True, output_zero_point=-20)      # its results are clamped to [-20, 127]
+    graph = Graph([Node('conv', conv, ('input',)), Node('cut', QuantizedHardtanh(-100, -50), ('conv',)),
+                   Node('keep', QuantizedHardtanh(-30, 40), ('cut',))], 'keep', 'input')
+    assert [n.op for n in fuse_int8_clamps(copy.deepcopy(graph))] == ['QuantizedConv2d', 'QuantizedHardtanh', 'QuantizedHardtanh']
+    graph.set_inputs('keep', ('conv',))
+    graph.remove('cut', keep='conv')
+    fused = fuse_int8_clamps(graph)
+    assert [n.op for n in fused] == ['QuantizedConv2d'] and fused['conv'].module._clamp() == (-20, 40)
+    assert conv.clamp_levels is None                                        # the model's own layer is left as it was
 
 
 def test_a_fused_layer_with_a_clamp_is_saved_and_loaded(tmp_path):

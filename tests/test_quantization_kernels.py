@@ -409,7 +409,7 @@ def test_the_drivers_read_and_write_nhwc_too(level, groups, stride, padding):
     serial(np.ascontiguousarray(xq.transpose(0, 2, 3, 1)).view(np.uint8), True, rq['flip'], rq['add'], rq['padv'],
            ge['geom'][2], ge['geom'][3], wq.shape[1], packed.cgp, np.empty(ge['xpshape'], ge['xpdtype']), packed.weights,
            ge['base'], ge['obase'], ge['koff'], rq['lp'], rq['zp'], rq['qmin'], rq['qmax'], groups, 40 // groups, 1,
-           out.view(np.uint8), *K._scratch(level, packed.mv, True))
+           out.view(np.uint8), *K._scratch(level, packed.mv, True), K.NO_ADD, K.NO_ADD)
     np.testing.assert_array_equal(out.transpose(0, 3, 1, 2), want)
 
 

@@ -10,7 +10,8 @@ from ..lazy import lazy_attributes
 
 _PARTS = {
     'passes': ('IDENTITY_LAYERS', 'epilogue_activation', 'activation_bounds', 'FLOAT_PASSES', 'same_outputs', 'remove_identities', 'Constant', 'fold_constants', 'remove_dead_nodes', 'fold_batchnorms',
-               'FusedConv2d', 'FusedLinear', 'use_fused_layers', 'fuse_residual_adds', 'fuse_activations', 'optimize'),
+               'FusedConv2d', 'FusedLinear', 'use_fused_layers', 'fuse_residual_adds', 'fuse_activations', 'optimize',
+               'INT8_PASSES', 'PASSES', 'fuse_int8_clamps', 'add_table', 'QuantizedConvAdd', 'fuse_int8_adds'),
     'memory': ('ALIGNMENT', 'value_lifetimes', 'assign_offsets', 'overlapping_values', 'MemoryPlan', 'plan_memory',
                'graph_value_sizes', 'plot_memory_plan'),
     'kernels': ('nchw_to_nhwc', 'nhwc_to_nchw'),

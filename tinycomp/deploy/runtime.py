@@ -19,8 +19,8 @@ from ..graph import Graph, trace
 from ..nn.modules import Add, Flatten, Hardtanh, Module, ReLU
 from ..pooling import AdaptiveAvgPool2d, MaxPool2d
 from ..quantization import int8_conv as _int8
-from ..quantization.kernels import _qconv_loops, _quantized_add2
-from ..quantization.layers import (ADD_LEFT_SHIFT, DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
+from ..quantization.kernels import _qconv_loops
+from ..quantization.layers import (DeQuantStub, QuantizedAdaptiveAvgPool2d, QuantizedAdd,
                                           QuantizedConv2d, QuantizedHardtanh, QuantizedLinear, QuantizedMaxPool2d, QuantStub)
 from ..tensor import Tensor, no_grad
 from ..tiles import FLOAT_LANES, TILE_FLOATS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
@@ -28,7 +28,8 @@ from .kernels import (_adaptive_avg_nhwc, _add, _add_by_table, _all_finite, _cla
                                      _dequantize, _epilogue, _im2col_nhwc, _max_pool_nhwc, _qavg_pool_nhwc, _quantize,
                                      nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
-from .passes import FLOAT_PASSES, FusedConv2d, FusedLinear, activation_bounds, epilogue_activation, optimize
+from .passes import (PASSES, FusedConv2d, FusedLinear, QuantizedConvAdd, activation_bounds, add_table,
+                                     epilogue_activation, optimize)
 
 # %% ../../nbs/08d_runtime.ipynb #b4c843a6
 @dataclass
@@ -241,13 +242,17 @@ def _lower_dequant_stub(ctx, node, m):
 
 def _lower_quantized_conv(ctx, node, m):
     """QuantizedConv2d and QuantizedLinear (a 1x1 conv): module 04's integer kernel, called with everything derived
-    once. The micro-kernels read and write NHWC (no transposes on the way in and out), the plain loops NCHW."""
+    once. The micro-kernels read and write NHWC (no transposes on the way in and out), the plain loops NCHW. A
+    QuantizedConvAdd: the micro-kernel's results looked up in the add's table with the other input (NHWC too)."""
+    fused, m = (m, m.conv) if isinstance(m, QuantizedConvAdd) else (None, m)
     x = node.inputs[0]
     v = ctx.values[x]
     if v.dtype != np.int8: return _lower_fallback(ctx, node, m)
     linear, packed = isinstance(m, QuantizedLinear), m.packed_weight()
     nhwc = not linear and packed.level != 'loops'
     if not linear: x = ctx.need(x, 'nhwc' if nhwc else 'nchw')
+    other = ctx.need(node.inputs[1], 'nhwc') if fused else None         # (the pass fused only NHWC micro-kernel convs)
+    table = fused.table().view(np.uint8) if fused else _int8.NO_ADD
     if linear: geometry = dict(stride=1, padding=0, dilation=1, groups=1)
     else: geometry = dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
     xshape = (v.shape[0], 1, 1) if linear else v.shape
@@ -278,7 +283,8 @@ def _lower_quantized_conv(ctx, node, m):
         return [(run, (xa.view(np.uint8), nhwc, rq['flip'], rq['add'], rq['padv'], ph, pw, packed.shape[1], packed.cgp,
                        arrays[node.name + '#packed'], packed.weights, ge['base'], ge['obase'], ge['koff'], rq['lp'],
                        rq['zp'], rq['qmin'], rq['qmax'], groups, cout // groups, 1 if nhwc else oh * ow, out.view(np.uint8),
-                       arrays[node.name + '#tile'], arrays[node.name + '#r8']))]
+                       arrays[node.name + '#tile'], arrays[node.name + '#r8'], table,
+                       arrays[other].reshape(-1).view(np.uint8) if fused else _int8.NO_ADD))]
     scratch = {}
     if packed.level != 'loops':
         n = _int8.driver_scratch(packed.level, packed.mv)      # per thread: the parallel driver takes a slice each
@@ -286,21 +292,15 @@ def _lower_quantized_conv(ctx, node, m):
                    'tile': (lambda b: (n * numba.get_num_threads(),), np.int32),
                    'r8': (lambda b: (n * numba.get_num_threads(),), np.uint8)}
     macs = int(np.prod(oshape)) * int(np.prod(packed.shape[1:]))
-    kind = f"int8 {'linear' if linear else 'conv'} ({_int8.kernel_name(packed.level)})"
+    kind = f"int8 {'linear' if linear else 'conv'} ({_int8.kernel_name(packed.level)}){' + add (table)' if fused else ''}"
     out = Value((cout,) if linear else tuple(oshape), np.dtype(np.int8), 'flat' if linear else 'nhwc' if nhwc else 'nchw')
-    return Step(node.name, kind, (x,), node.name, bind, scratch, 2 * macs), out
+    return Step(node.name, kind, (x,) if other is None else (x, other), node.name, bind, scratch, 2 * macs), out
 
 def _lower_quantized_add(ctx, node, m):
     a, b = node.inputs if len(node.inputs) == 2 else (None, None)
     if a is None or ctx.values[a].shape != ctx.values[b].shape or ctx.values[a].layout != ctx.values[b].layout:
         return _lower_fallback(ctx, node, m)
-    (ma, ea), (mb, eb) = m.rescale[0]
-    mo, eo = m.rescale[1]
-    za, zb = (int(z) for _, z in m.inputs)
-    lo, table = int(m.zero_point) if m.relu else -128, np.empty(1 << 16, np.int8)
-    every = np.arange(256, dtype=np.uint8).view(np.int8)          # rows and columns in the order of the uint8 bits
-    _quantized_add2(np.repeat(every, 256), np.tile(every, 256), za, zb, ma, ea, mb, eb, mo, eo, int(m.zero_point), lo,
-                    ADD_LEFT_SHIFT, table)                        # all 65,536 sums once, by module 04's kernel
+    table = add_table(m)                                          # all 65,536 sums once, by module 04's kernel
     def bind(arrays, batch):
         return [(_add_by_table, (arrays[a].reshape(-1), arrays[b].reshape(-1), table, arrays[node.name].reshape(-1)))]
     v = ctx.values[a]
@@ -340,6 +340,7 @@ LOWERINGS = [(FusedConv2d, _lower_fused_conv), (FusedLinear, _lower_fused_linear
              (Hardtanh, _lower_elementwise), (QuantizedHardtanh, _lower_elementwise),    # (and QuantizedReLU)
              (Add, _lower_elementwise), (QuantStub, _lower_quant_stub), (DeQuantStub, _lower_dequant_stub),
              (QuantizedConv2d, _lower_quantized_conv), (QuantizedLinear, _lower_quantized_conv),
+             (QuantizedConvAdd, _lower_quantized_conv),
              (QuantizedAdd, _lower_quantized_add), (QuantizedMaxPool2d, _lower_quantized_pool),
              (QuantizedAdaptiveAvgPool2d, _lower_quantized_pool)]    # (layer type, how to run it); others run eagerly
 
@@ -534,7 +535,7 @@ class InferenceModel(Module):
 def _is_integer_model(graph) -> bool:
     return any(isinstance(n.module, (QuantStub, QuantizedConv2d, QuantizedLinear)) for n in graph)
 
-def freeze(model, example_input, passes=FLOAT_PASSES, check=True) -> InferenceModel:
+def freeze(model, example_input, passes=PASSES, check=True) -> InferenceModel:
     """`model` traced on `example_input` (an array or Tensor of a batch of inputs), rewritten by `passes` and lowered
     to the runtime's kernels. With `check`, each pass and the frozen model are checked against the model on the
     example: float outputs within 1e-5 (relative), an integer model's bit for bit."""

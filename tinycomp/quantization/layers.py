@@ -104,7 +104,6 @@ class _Stub(Module):
 @register_layer
 class QuantStub(_Stub):
     "float32 -> int8 with a calibrated `scale` and `zero_point`: the entry of an integer model."
-
     def forward(self, x):
         a = _data(x)
         if a.dtype.kind != 'f': raise TinycompError(f"QuantStub expects float input, got {a.dtype}")
@@ -259,10 +258,11 @@ class _QuantizedWeighted(Module):
         "Weights and biases, as in the float layer (an int4 weight counts once, not per byte)."
         return int(np.prod(self.weight_shape)) + self.weight_shape[0]
 
+    clamp_levels = None     # (low, high) int8 levels of a clamp fused after the output at deployment, or None
     def _clamp(self):
-        "(qmin, qmax) of the output: a fused ReLU clamps at the output zero point."
-        z = int(self.output_zero_point)
-        return (z if self.relu else -128), 127
+        "(qmin, qmax) of the output: a fused ReLU clamps at the output zero point, a fused clamp at `clamp_levels`."
+        lo, hi = (int(self.output_zero_point) if self.relu else -128), 127
+        return (lo, hi) if self.clamp_levels is None else (max(lo, self.clamp_levels[0]), min(hi, self.clamp_levels[1]))
 
 @register_layer
 class QuantizedConv2d(_QuantizedWeighted):
