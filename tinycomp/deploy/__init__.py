@@ -16,7 +16,7 @@ _PARTS = {
                'graph_value_sizes', 'plot_memory_plan'),
     'kernels': ('nchw_to_nhwc', 'nhwc_to_nchw'),
     'runtime': ('CHUNK_FLOATS', 'LOWERINGS', 'MAX_BATCH_SIZES', 'Value', 'Step', 'InferenceModel', 'freeze',
-                'steady_state_allocations', 'ort_profile')}
+                'steady_state_allocations')}
 __getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.deploy.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.deploy.{part}" for part, names in _PARTS.items() for name in names}},
                                         globals())

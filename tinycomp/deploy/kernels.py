@@ -6,6 +6,7 @@
 __all__ = ['nchw_to_nhwc', 'nhwc_to_nchw']
 
 # %% ../../nbs/08c_kernels.ipynb #1ca49b82
+import numba
 from numba import prange
 import numpy as np
 
@@ -244,3 +245,42 @@ def _all_finite(a) -> bool:
             return False
     return True
 
+
+# %% ../../nbs/08c_kernels.ipynb #27197bad
+@njit(parallel=True, cache=True)
+def _qdepthwise_nhwc(x, zx, w, bias, mult, ls, rs, ozp, qmin, qmax, sh, sw, ph, pw, dh, dw, acc, out):
+    """A depthwise int8 conv of NHWC `x` (zero point `zx`) with `w` (kh, kw, C) int32 into NHWC int8 `out`: int32 sums
+    from `bias` over each window, vectorized over the channels, then requantized per channel and clamped to [qmin, qmax]:
+    TFLite's multiply_by_quantized_multiplier with `mult` (>= 0) and a shift of `ls` left or `rs` right (int64 arrays),
+    computed on magnitudes without a branch (as module 04's `_requant_rows`, so this loop is vector code too), plus the
+    output zero point `ozp`. `acc`: C int32 values of scratch for each Numba thread."""
+    n_, h, wd, c_ = x.shape
+    kh, kw = w.shape[0], w.shape[1]
+    oh, ow = out.shape[1], out.shape[2]
+    zx32 = np.int32(zx)
+    xf, wf, of = x.reshape(-1), w.reshape(-1), out.reshape(-1)      # flat, unsigned indices: no view per tap
+    for t in prange(n_ * oh):
+        n, y = t // oh, t % oh
+        a = acc[numba.get_thread_id() * c_:][:c_]
+        for xo in range(ow):
+            for c in range(c_):
+                a[c] = bias[c]
+            for i in range(kh):
+                iy = y * sh - ph + i * dh
+                if iy < 0 or iy >= h:
+                    continue
+                for j in range(kw):
+                    ix = xo * sw - pw + j * dw
+                    if ix < 0 or ix >= wd:
+                        continue
+                    src, wr = np.uint64(((n * h + iy) * wd + ix) * c_), np.uint64((i * kw + j) * c_)
+                    for c in range(c_):
+                        a[c] += (np.int32(xf[src + np.uint64(c)]) - zx32) * wf[wr + np.uint64(c)]
+            o = np.uint64((t * ow + xo) * c_)
+            for c in range(c_):
+                ab = np.int64(np.int32(a[c] << ls[c])) * mult[c]      # the shift wraps to int32, as TFLite's
+                sg = ab >> 63                                           # 0, or -1 for a negative product
+                qa = ((ab ^ sg) - sg + (1 << 30) + sg) >> 31            # |ab / 2**31|, a tie rounded up
+                e = rs[c]
+                v = np.int32((((qa + ((np.int64(1) << e) >> 1)) >> e) ^ sg) - sg) + ozp
+                of[o + np.uint64(c)] = min(max(v, qmin), qmax)

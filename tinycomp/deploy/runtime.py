@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CHUNK_FLOATS', 'LOWERINGS', 'MAX_BATCH_SIZES', 'Value', 'Step', 'InferenceModel', 'freeze',
-           'steady_state_allocations', 'ort_profile']
+           'steady_state_allocations']
 
 # %% ../../nbs/08d_runtime.ipynb #825154b6
 import time
@@ -25,8 +25,8 @@ from ..quantization.layers import (DeQuantStub, QuantizedAdaptiveAvgPool2d, Quan
 from ..tensor import Tensor, no_grad
 from ..tiles import FLOAT_LANES, TILE_FLOATS, pack_tiled_weights, pad_nhwc, tile_driver, tile_offsets
 from .kernels import (_adaptive_avg_nhwc, _add, _add_by_table, _all_finite, _clamp, _conv_direct_nhwc,
-                                     _dequantize, _epilogue, _im2col_nhwc, _max_pool_nhwc, _qavg_pool_nhwc, _quantize,
-                                     nchw_to_nhwc, nhwc_to_nchw)
+                                     _dequantize, _epilogue, _im2col_nhwc, _max_pool_nhwc, _qavg_pool_nhwc, _qdepthwise_nhwc,
+                                     _quantize, nchw_to_nhwc, nhwc_to_nchw)
 from .memory import plan_memory, value_lifetimes
 from .passes import (PASSES, FusedConv2d, FusedLinear, QuantizedConvAdd, activation_bounds, add_table,
                                      epilogue_activation, optimize)
@@ -247,9 +247,10 @@ def _lower_quantized_conv(ctx, node, m):
     fused, m = (m, m.conv) if isinstance(m, QuantizedConvAdd) else (None, m)
     x = node.inputs[0]
     v = ctx.values[x]
-    if v.dtype != np.int8: return _lower_fallback(ctx, node, m)
+    if v.dtype != np.int8: return _lower_fallback(ctx, node, m if fused is None else fused)
     linear, packed = isinstance(m, QuantizedLinear), m.packed_weight()
-    nhwc = not linear and packed.level != 'loops'
+    depthwise = not linear and packed.level == 'loops' and m.groups == m.in_channels == m.out_channels
+    nhwc = not linear and (packed.level != 'loops' or depthwise)
     if not linear: x = ctx.need(x, 'nhwc' if nhwc else 'nchw')
     other = ctx.need(node.inputs[1], 'nhwc') if fused else None         # (the pass fused only NHWC micro-kernel convs)
     table = fused.table().view(np.uint8) if fused else _int8.NO_ADD
@@ -271,10 +272,15 @@ def _lower_quantized_conv(ctx, node, m):
         return per_batch[batch]
     oshape = entry(1)['oshape'][1:]
     groups, cout, xstored = geometry['groups'], packed.shape[0], ((xshape[1], xshape[2], xshape[0]) if nhwc else tuple(xshape))
+    wdw = np.ascontiguousarray(wq[:, 0].transpose(1, 2, 0)).astype(np.int32) if depthwise else None     # (kh, kw, C)
+    if depthwise: shifts = (np.maximum(rq['sh'], 0).astype(np.int64), np.maximum(-rq['sh'], 0).astype(np.int64))  # left, right
     def bind(arrays, batch):
         ge = entry(batch)
         xa, out = arrays[x].reshape((batch,) + xstored), arrays[node.name]
         sh_, sw_, ph, pw, dh, dw, oh, ow = ge['geom']
+        if depthwise:
+            return [(_qdepthwise_nhwc, (xa, rq['zx'], wdw, rq['bias'], rq['mult'], *shifts, rq['zp'], rq['qmin'],
+                                        rq['qmax'], sh_, sw_, ph, pw, dh, dw, arrays[node.name + '#acc'], out))]
         if packed.level == 'loops':
             return [(_qconv_loops, (xa, rq['zx'], wq, rq['bias'], rq['mult'], rq['sh'], rq['zp'], rq['qmin'], rq['qmax'],
                                     sh_, sw_, ph, pw, dh, dw, groups, out))]
@@ -285,7 +291,7 @@ def _lower_quantized_conv(ctx, node, m):
                        rq['zp'], rq['qmin'], rq['qmax'], groups, cout // groups, 1 if nhwc else oh * ow, out.view(np.uint8),
                        arrays[node.name + '#tile'], arrays[node.name + '#r8'], table,
                        arrays[other].reshape(-1).view(np.uint8) if fused else _int8.NO_ADD))]
-    scratch = {}
+    scratch = {'acc': (lambda b: (cout * numba.get_num_threads(),), np.int32)} if depthwise else {}
     if packed.level != 'loops':
         n = _int8.driver_scratch(packed.level, packed.mv)      # per thread: the parallel driver takes a slice each
         scratch = {'packed': (lambda b: entry(b)['xpshape'], lambda b: entry(b)['xpdtype']),
@@ -293,6 +299,7 @@ def _lower_quantized_conv(ctx, node, m):
                    'r8': (lambda b: (n * numba.get_num_threads(),), np.uint8)}
     macs = int(np.prod(oshape)) * int(np.prod(packed.shape[1:]))
     kind = f"int8 {'linear' if linear else 'conv'} ({_int8.kernel_name(packed.level)}){' + add (table)' if fused else ''}"
+    kind = 'int8 depthwise conv (NHWC, vectors over the channels)' if depthwise else kind
     out = Value((cout,) if linear else tuple(oshape), np.dtype(np.int8), 'flat' if linear else 'nhwc' if nhwc else 'nchw')
     return Step(node.name, kind, (x,) if other is None else (x, other), node.name, bind, scratch, 2 * macs), out
 
@@ -401,6 +408,11 @@ class _Bound:
     calls: list               # all the calls, in order
     step_calls: list          # [(step, its calls)]
 
+def _root(shared, name):
+    "The value whose memory `name` uses, following `shared` ({value: the value whose memory it uses}) to its end."
+    while name in shared: name = shared[name]
+    return name
+
 MAX_BATCH_SIZES = 8                   # arenas a frozen model keeps (one per batch size seen; the oldest is dropped)
 
 class InferenceModel(Module):
@@ -428,9 +440,7 @@ class InferenceModel(Module):
         work in place uses that input's, when the input is read by nobody after this step (and is not the output)."""
         program = self._program()
         life, shared = dict(value_lifetimes(program)), {}
-        def root(name):
-            while name in shared: name = shared[name]
-            return name
+        root = lambda name: _root(shared, name)
         for k, step in enumerate(program):
             v = self.values.get(step.output)
             if v is not None and v.view_of is not None: src = v.view_of
@@ -451,9 +461,7 @@ class InferenceModel(Module):
         program, shared = self._program(), self.memory_shared()
         life = dict(value_lifetimes(program))
         sizes = {name: self.values[name].nbytes(batch) for name in life}
-        def root(name):
-            while name in shared: name = shared[name]
-            return name
+        root = lambda name: _root(shared, name)
         for k, step in enumerate(program):                         # in order: a value's source comes first
             if step.output in shared:
                 r = root(step.output)
@@ -575,25 +583,3 @@ def steady_state_allocations(frozen, x, calls=20) -> dict:
         if started: tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, 'filename'))
     return dict(array_bytes=int(max(grown, 0)), peak_bytes=int(peak), calls=calls)
-
-# %% ../../nbs/08d_runtime.ipynb #39056215
-def ort_profile(model, x, repeats=20, threads=1) -> list:
-    "ONNX Runtime's own per-node profile of `model` exported to ONNX, on `x`: [{name, op, ms}] medians over `repeats` runs."
-    import json, os, tempfile
-    from pathlib import Path
-    from tinycomp.onnx.export import export_onnx, require_onnx
-    _, ort = require_onnx(runtime=True)
-    with tempfile.TemporaryDirectory() as d:
-        path = export_onnx(model, Path(d) / 'model.onnx', (1,) + tuple(x.shape[1:]))
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-        so.enable_profiling, so.profile_file_prefix = True, os.path.join(d, 'ort')
-        sess = ort.InferenceSession(str(path), so, providers=['CPUExecutionProvider'])
-        feed = {sess.get_inputs()[0].name: np.ascontiguousarray(x, np.float32)}
-        for _ in range(repeats + 2): sess.run(None, feed)
-        events = json.loads(Path(sess.end_profiling()).read_text())
-    per = {}
-    for e in events:
-        if e.get('cat') == 'Node' and e['name'].endswith('_kernel_time'):
-            per.setdefault(e['name'][:-len('_kernel_time')], (e['args'].get('op_name', '?'), []))[1].append(e['dur'])
-    return [dict(name=k, op=op, ms=float(np.median(v[-repeats:])) / 1e3) for k, (op, v) in per.items()]

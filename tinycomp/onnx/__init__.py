@@ -13,7 +13,7 @@ _PARTS = {
                'layer_shapes', 'to_onnx', 'check_onnx', 'export_onnx'),
     'importer': ('MAX_ONNX_BYTES', 'MAX_TENSOR_ELEMENTS', 'MAX_NODES', 'IMPORTABLE_OPS', 'import_onnx'),
     'runtime': ('ort_session', 'run_onnx', 'ort_agreement', 'agreement_models', 'agreement_table', 'format_agreement',
-                'run_onnx_emulated', 'lsb_diff', 'BENCH_MODELS', 'onnx_benchmark', 'format_onnx_benchmark'),
+                'run_onnx_emulated', 'lsb_diff', 'BENCH_MODELS', 'onnx_benchmark', 'format_onnx_benchmark', 'ort_profile'),
     'cli': ('export_command', 'import_command')}
 __getattr__, __dir__ = lazy_attributes({**{part: f"tinycomp.onnx.{part}" for part in _PARTS},
                                          **{name: f"tinycomp.onnx.{part}" for part, names in _PARTS.items() for name in names}},

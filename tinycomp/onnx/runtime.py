@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['BENCH_MODELS', 'ort_session', 'run_onnx', 'ort_agreement', 'agreement_models', 'agreement_table', 'format_agreement',
-           'run_onnx_emulated', 'lsb_diff', 'onnx_benchmark', 'format_onnx_benchmark']
+           'run_onnx_emulated', 'lsb_diff', 'onnx_benchmark', 'format_onnx_benchmark', 'ort_profile']
 
 # %% ../../nbs/96c_onnx_runtime.ipynb #77d31697
 import os
@@ -221,3 +221,23 @@ def format_onnx_benchmark(result) -> str:
               "by that factor, < 1 means ours is faster; int8 rows: our integer kernels vs ORT's QLinearConv/QGemm on "
               "the QDQ export; * = coefficient of variation > 10 %")
     return '\n'.join([head, format_table(table, cols), legend])
+
+# %% ../../nbs/96c_onnx_runtime.ipynb #39056215
+def ort_profile(model, x, repeats=20, threads=1) -> list:
+    "ONNX Runtime's own per-node profile of `model` exported to ONNX, on `x`: [{name, op, ms}] medians over `repeats` runs."
+    import json
+    _, ort = require_onnx(runtime=True)
+    with tempfile.TemporaryDirectory() as d:
+        path = export_onnx(model, Path(d) / 'model.onnx', (1,) + tuple(x.shape[1:]))
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+        so.enable_profiling, so.profile_file_prefix = True, os.path.join(d, 'ort')
+        sess = ort.InferenceSession(str(path), so, providers=['CPUExecutionProvider'])
+        feed = {sess.get_inputs()[0].name: np.ascontiguousarray(x, np.float32)}
+        for _ in range(repeats + 2): sess.run(None, feed)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    per = {}
+    for e in events:
+        if e.get('cat') == 'Node' and e['name'].endswith('_kernel_time'):
+            per.setdefault(e['name'][:-len('_kernel_time')], (e['args'].get('op_name', '?'), []))[1].append(e['dur'])
+    return [dict(name=k, op=op, ms=float(np.median(v[-repeats:])) / 1e3) for k, (op, v) in per.items()]
