@@ -56,6 +56,20 @@ def test_the_frozen_model_computes_what_the_model_does(name, precision):
     assert {b for b, _ in frozen._bound} == {4, 1, 7, 64}       # (4: the check at freeze time)
 
 
+def test_int8_depthwise_convolutions_run_nhwc_between_the_vector_kernels():
+    X = _data('mobilenet_v2_tiny')
+    model = quantize_static(load_pretrained('mobilenet_v2_tiny'), load_shipped('mnist5k', 'train')[0][:256])
+    frozen = freeze(model, X[:4])
+    kinds = [s.kind for s in frozen.steps]
+    assert kinds.count('int8 depthwise conv (NHWC, vectors over the channels)') == 8
+    assert not any(k.endswith('(eager)') for k in kinds)
+    from tinycomp.quantization.int8_conv import KERNEL_LEVELS
+    if KERNEL_LEVELS[0] != 'loops':                         # with module 04's vector kernels: NHWC from end to end
+        assert not any('loops' in k for k in kinds)
+        assert [k for k in kinds if k.startswith('reorder')] == ['reorder nchw -> nhwc']    # the input's, no other
+    assert np.array_equal(frozen.run(X[:33]), _eager(model, X[:33]))
+
+
 def test_an_int8_model_runs_batches_of_256_rows_and_more():
     X = _data('digits_cnn')             # the int8 kernels' uint8 scratch was once sized by calling np.uint8 on the batch
     model = quantize_static(load_pretrained('digits_cnn'), load_shipped('digits', 'train')[0][:256])
