@@ -323,6 +323,7 @@ def test_bad_input_is_refused_with_what_to_do():
     frozen = freeze(load_pretrained('digits_cnn'), X[:2])
     with pytest.raises(ShapeError, match=r'frozen for inputs of shape \(N, 1, 8, 8\)'): frozen.run(X[:2, :, :4])
     with pytest.raises(TinycompError, match='float input'): frozen.run(X[:2].astype(np.int64))
+    with pytest.raises(ShapeError, match='batch is empty'): frozen.run(X[:0])
     with pytest.raises(TinycompError, match='NumPy array or a Tensor'): frozen.run([[0.0]])
     with pytest.raises(ShapeError, match='out must be'): frozen.run(X[:2], np.empty((3, 10), np.float32))
     with pytest.raises(TinycompError, match='runs inference only'): frozen.train()

@@ -556,9 +556,10 @@ def conv_benchmark(threads=None, json_path=None, repeats=20, shapes=None, use_to
         print(f"{'shape (N,C,H,W->Co)':20s}{'naive':>9s}{'numpy':>9s}{'tc fwd':>9s}{'tiled':>9s}{'tc bwd':>9s}{'pt fwd':>9s}"
               f"{'pt bwd':>9s}  {'fwd/np':>6s} {'fwd/pt':>6s} {'til/pt':>6s} {'bwd/fw':>6s} {'bwd/pt':>6s}")
         for r in rows: print(_fmt_row(r))
-        print("fwd/np, fwd/pt: tinycomp forward speed relative to NumPy im2col and PyTorch (>1 = faster); tiled, til/pt: "
-              "the register-tiled forward (part d, NCHW in and out) and its speed relative to PyTorch; "
-              "bwd/fw: tinycomp backward time / forward time; bwd/pt: backward speed relative to PyTorch.")
+        print("naive: the loops of conv2d_naive (the smallest shape only); numpy: conv2d_im2col; tc fwd, tc bwd: conv2d_forward"
+              " and conv2d_backward; tiled: conv2d_tiled (module 02d, NCHW in and out); pt fwd, pt bwd: PyTorch.\n"
+              "fwd/np, fwd/pt, til/pt, bwd/pt: speed over NumPy's or PyTorch's (> 1 = ours faster); bwd/fw: backward time over"
+              " forward time (lower is better).")
     if json_path: write_json(result, json_path)
     return result
 

@@ -212,13 +212,14 @@ def _make_driver(np_, lanes, ts):
     return run_serial, run_parallel
 
 def _cache_by_variant(dispatcher, variant, *inner):
-    """Make Numba's on-disk cache find a driver again in the next process. Numba keys a closure by pickling its cells,
-    and a pickled dispatcher (an inner kernel here) carries a random uuid, so every process compiled the drivers again
-    (seconds before the first call). Key them by the variant and the bytecode of the inner functions instead; the
-    cache is still dropped when this file changes. Each variant also gets a name of its own (`run_serial_float16`):
-    Numba names compiled code and its environment by the function's name and a counter of the process that compiled
-    it, so two variants compiled first thing in two processes had the same name, and a process loading both from the
-    cache gave them one environment (the second crashed with 'descr is NULL')."""
+    """(Numba plumbing, not needed to follow the lesson.) Make Numba's on-disk cache find a driver again in the next
+    process. Numba keys a closure by pickling its cells, and a pickled dispatcher (an inner kernel here) carries a
+    random uuid, so every process compiled the drivers again (seconds before the first call). Key them by the
+    variant and the bytecode of the inner functions instead; the cache is still dropped when this file changes. Each
+    variant also gets a name of its own (`run_serial_float16`): Numba names compiled code and its environment by the
+    function's name and a counter of the process that compiled it, so two variants compiled first thing in two
+    processes had the same name, and a process loading both from the cache gave them one environment (the second
+    crashed with 'descr is NULL')."""
     from numba.core.caching import FunctionCache
     dispatcher.py_func.__qualname__ += '_' + variant.replace('-', '_')
     codes = b''.join(f.py_func.__code__.co_code for f in inner)

@@ -496,7 +496,8 @@ class InferenceModel(Module):
         if not isinstance(a, np.ndarray):
             raise TinycompError(f"a frozen model takes a NumPy array or a Tensor, got {type(a).__name__}")
         want = self.example_shape[1:]
-        if a.ndim != len(want) + 1 or a.shape[1:] != want or a.shape[0] < 1:
+        if a.ndim == len(want) + 1 and a.shape[0] == 0: raise ShapeError("the batch is empty: give at least one input")
+        if a.ndim != len(want) + 1 or a.shape[1:] != want:
             raise ShapeError(f"this model was frozen for inputs of shape (N, {', '.join(map(str, want))}), got {a.shape}")
         if a.dtype.kind != 'f': raise TinycompError(f"a frozen model takes float input, got {a.dtype}")
         b = self._bound.get((a.shape[0], numba.get_num_threads())) or self._bind(a.shape[0])
@@ -537,7 +538,8 @@ class InferenceModel(Module):
         return f"{len(self.steps)} steps, input (N, {', '.join(map(str, self.example_shape[1:]))})"
 
     def __repr__(self):
-        rows = [f"  {s.name:24s} {s.kind:34s} <- {', '.join(s.inputs)}" for s in self.steps]
+        wn, wk = (max(len(getattr(s, k)) for s in self.steps) for k in ('name', 'kind'))
+        rows = [f"  {s.name:{wn}s} {s.kind:{wk}s} <- {', '.join(s.inputs)}" for s in self.steps]
         return f"InferenceModel({self.extra_repr()}, output {self.output!r}\n" + '\n'.join(rows) + '\n)'
 
 def _is_integer_model(graph) -> bool:
