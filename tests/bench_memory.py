@@ -1,7 +1,8 @@
 """Benchmark (not collected by pytest): activation memory of a float32 model at batch 64, eagerly (module 03's
 `peak_memory_mb` of a forward), frozen (`tinycomp.deploy.freeze`: its planned arena, and the peak of its first call,
 which allocates the arena) and in ONNX Runtime (the resident memory its session gains on the first run and after six,
-in a child process of its own, one thread). Needs the `onnx` extra. Run from the repository:
+in a child process of its own, one thread); then what 50 calls of the frozen models, float32 and int8, allocate in the
+steady state (`steady_state_allocations`, with tracemalloc). Needs the `onnx` extra. Run from the repository:
 `python tests/bench_memory.py [MODEL ...]` (default: digits_cnn_wide resnet8 mobilenet_v2_tiny; about a minute)."""
 import subprocess
 import sys
@@ -11,10 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from tinycomp.data import load_shipped
-from tinycomp.deploy.runtime import freeze
+from tinycomp.deploy.runtime import freeze, steady_state_allocations
 from tinycomp.models import load_pretrained, model_data
 from tinycomp.onnx.export import export_onnx
 from tinycomp.profiling.hardware import peak_memory_mb
+from tinycomp.quantization.models import quantize_static
 
 ORT_CHILD = r'''
 import sys, numpy as np, onnxruntime as ort
@@ -56,3 +58,13 @@ if __name__ == '__main__':
         m = measure(name)
         print(f"{name:26s} {m['eager']:11.2f} {m['arena']:13.2f} {m['first_call']:16.2f} {m['ort_first']:+12.2f} "
               f"{m['ort_six']:+11.2f}")
+    print("\nsteady state, 50 calls after a warm-up: NumPy array bytes kept / most bytes held at any moment")
+    for name in names:
+        model = load_pretrained(name)
+        X = load_shipped(model_data(name), 'test')[0][:64]
+        q = quantize_static(model, load_shipped(model_data(name), 'train')[0][:256])
+        for precision, m in (('float32', model), ('int8', q)):
+            frozen = freeze(m, X[:4])
+            cells = [steady_state_allocations(frozen, X[:b], 50) for b in (1, 64)]
+            print(f"{name:18s} {precision:8s} " + '   '.join(f"batch {b}: {c['array_bytes']} / {c['peak_bytes']:,}"
+                                                          for b, c in zip((1, 64), cells)))
