@@ -11,6 +11,7 @@ from numba import prange
 import numpy as np
 
 from ..conv import njit
+from ..quantization.int8_conv import _requant_one
 
 # %% ../../nbs/08c_kernels.ipynb #5d08e4b3
 @njit(cache=True)
@@ -252,8 +253,8 @@ def _qdepthwise_nhwc(x, zx, w, bias, mult, ls, rs, ozp, qmin, qmax, sh, sw, ph, 
     """A depthwise int8 conv of NHWC `x` (zero point `zx`) with `w` (kh, kw, C) int32 into NHWC int8 `out`: int32 sums
     from `bias` over each window, vectorized over the channels, then requantized per channel and clamped to [qmin, qmax]:
     TFLite's multiply_by_quantized_multiplier with `mult` (>= 0) and a shift of `ls` left or `rs` right (int64 arrays),
-    computed on magnitudes without a branch (as module 04's `_requant_rows`, so this loop is vector code too), plus the
-    output zero point `ozp`. `acc`: C int32 values of scratch for each Numba thread."""
+    computed by module 04's `_requant_one` (without a branch, so this loop is vector code too), plus the output zero
+    point `ozp`. `acc`: C int32 values of scratch for each Numba thread."""
     n_, h, wd, c_ = x.shape
     kh, kw = w.shape[0], w.shape[1]
     oh, ow = out.shape[1], out.shape[2]
@@ -278,9 +279,4 @@ def _qdepthwise_nhwc(x, zx, w, bias, mult, ls, rs, ozp, qmin, qmax, sh, sw, ph, 
                         a[c] += (np.int32(xf[src + np.uint64(c)]) - zx32) * wf[wr + np.uint64(c)]
             o = np.uint64((t * ow + xo) * c_)
             for c in range(c_):
-                ab = np.int64(np.int32(a[c] << ls[c])) * mult[c]      # the shift wraps to int32, as TFLite's
-                sg = ab >> 63                                           # 0, or -1 for a negative product
-                qa = ((ab ^ sg) - sg + (1 << 30) + sg) >> 31            # |ab / 2**31|, a tie rounded up
-                e = rs[c]
-                v = np.int32((((qa + ((np.int64(1) << e) >> 1)) >> e) ^ sg) - sg) + ozp
-                of[o + np.uint64(c)] = min(max(v, qmin), qmax)
+                of[o + np.uint64(c)] = _requant_one(a[c], mult[c], ls[c], rs[c], ozp, qmin, qmax)

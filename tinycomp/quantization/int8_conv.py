@@ -158,20 +158,25 @@ def _pixel_offsets(n_, oh, ow, hp, wp, cp, sh, sw, np_, cout):
 
 # %% ../../nbs/04d_int8_conv.ipynb #af8fe2b6
 @njit(cache=True, inline='always')
+def _requant_one(a, mult, ls, rs, ozp, qmin, qmax):
+    """One int32 sum `a` requantized: TFLite's multiply_by_quantized_multiplier with `mult` (>= 0) and a shift of `ls`
+    left or `rs` right, plus `ozp`, clamped to [qmin, qmax]; on magnitudes, without a branch, so loops of it vectorize."""
+    a = np.int32(a << ls)                                            # wraps as TFLite's x * (1 << left_shift)
+    ab = np.int64(a) * np.int64(mult)                                # int32 x int32 -> int64
+    s = ab >> 63                                                     # 0, or -1 for a negative product
+    qa = ((ab ^ s) - s + (1 << 30) + s) >> 31                        # |ab / 2**31| rounded as TFLite: a tie goes up
+    ra = (qa + ((np.int64(1) << rs) >> 1)) >> rs                     # |q| / 2**rs rounded, ties away from zero
+    res = np.int32((ra ^ s) - s) + ozp                               # the sign back: bit-exact with _mbqm
+    return min(max(res, qmin), qmax)
+
+@njit(cache=True, inline='always')
 def _requant_rows(tile, rows, lanes, lp, ozp, qmin, qmax, r8):
     """Requantize `rows` rows of `lanes` int32 accumulators: lp[0] bias (added with int32 wrap-around, exact as the
     true sum fits), lp[1] multiplier (>= 0), lp[2] left shift, lp[3] right shift, per lane; results clamped into r8."""
     for p in range(rows):
         for l in range(lanes):
-            a = np.int32(tile[p * lanes + l] + lp[0, l])
-            a = np.int32(a << lp[2, l])                              # wraps as TFLite's x * (1 << left_shift)
-            ab = np.int64(a) * np.int64(lp[1, l])                    # int32 x int32 -> int64
-            s = ab >> 63                                             # 0, or -1 for a negative product
-            qa = ((ab ^ s) - s + (1 << 30) + s) >> 31                # |ab / 2**31| rounded as TFLite: a tie goes up
-            e = lp[3, l]
-            ra = (qa + ((np.int64(1) << e) >> 1)) >> e               # |q| / 2**e rounded, ties away from zero
-            res = np.int32((ra ^ s) - s) + ozp                       # the sign back: bit-exact with _mbqm, no branch
-            r8[p * lanes + l] = min(max(res, qmin), qmax)
+            r8[p * lanes + l] = _requant_one(np.int32(tile[p * lanes + l] + lp[0, l]), lp[1, l], lp[2, l], lp[3, l], ozp,
+                                             qmin, qmax)
 
 _PER = 16                                     # micro-kernel calls per chunk of pixels
 PARALLEL_MACS = 1 << 21                       # below this many multiply-adds a conv runs serially (no thread launch)
