@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 
 from .errors import ModelFileError, TinycompError
-from .files import CONTAINERS, LAYERS, atomic_write, write_npz
+from .files import CONTAINERS, LAYERS, atomic_write, learners_copy, write_npz
 from .nn.modules import Sequential, skip_init
 
 # %% auto #0
@@ -47,8 +47,9 @@ def _type_name(module) -> str:
     for name, cls in LAYERS.items():
         if type(module) is cls: return name
     same = LAYERS.get(type(module).__name__)
-    if same is not None and type(module).__module__ == '__main__' and type(module).__qualname__ == same.__qualname__:
-        return type(module).__name__   # a notebook's own version of a package layer is saved as the package's layer
+    if same is not None and learners_copy(type(module)) and type(module).__qualname__ == same.__qualname__:
+        return type(module).__name__   # a notebook's own version of a package layer (or the learner's module's: the
+                                       # capstone's) is saved as the package's layer
     hint = (f"it is not the registered {same.__module__}.{same.__qualname__} (a class redefined in a notebook?); "
             "build the model from the package's layers") if same else \
            "it is not in the allow-list of layer types; decorate its class with @tinycomp.files.register_layer first"

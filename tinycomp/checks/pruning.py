@@ -8,7 +8,7 @@ __all__ = ['MODULE']
 # %% ../../nbs/checks/05_pruning.ipynb #31c3ae19
 import numpy as np
 
-from ..course.spec import Check, ModuleSpec, arr, f32
+from ..course.spec import HIDDEN, Check, ModuleSpec, arr, f32
 
 # %% ../../nbs/checks/05_pruning.ipynb #31d6d5da
 def _tied(rng, *shape):
@@ -34,6 +34,21 @@ def _global_inputs(rng):
 def _run_global(ns, i):
     masks = ns.global_unstructured([i['w0'], i['w1'], i['w2']], float(i['amount']))
     return {f'mask{k}': arr(m) for k, m in enumerate(masks)}
+
+def _explain_mask(i, expected, got, k, idx):
+    "A mask with the wrong number of zeros: how many the amount asks for (rounded as PyTorch rounds it)."
+    pruned = lambda m: int((m == 0).sum())
+    e, g = pruned(expected[k]), pruned(got[k])
+    if e == g: return f"{k} prunes the right number ({e}) but not the right entries: the smallest |w| go first"
+    says = f"{k}: expected {e} of {expected[k].size} entries pruned (0 in the mask), got {g}"
+    if 'is_count' in i and int(i['is_count']): return says
+    total = sum(v.size for n, v in i.items() if n.startswith('w'))
+    a = float(i['amount'])
+    rounded = round(a * total)
+    return (says + f"; amount x weights = {a:g} x {total} = {a * total:g}, which rounds to {rounded}"
+            + (f" (not {int(a * total)}: round, do not truncate)" if rounded != int(a * total) else ''))
+
+_L1 = {'amount': lambda a: a[()], 'is_count': lambda a: HIDDEN}      # an int amount is a count, a float a fraction
 
 def _nm_inputs(kind):
     def make(rng):
@@ -199,9 +214,9 @@ _SET_ASIDE = {'l1_unstructured': _TOPK, 'global_unstructured': _TOPK, 'nm_mask':
 MODULE = ModuleSpec('05', 'pruning', reference=(
     'tinycomp.pruning.masks', 'tinycomp.pruning.structured', 'tinycomp.pruning.sparse', 'tinycomp.pruning.schedules'),
     set_aside=_SET_ASIDE, checks=[
-    Check('l1_unstructured', 'fraction_ties', 2, _l1_inputs('fraction'), _run_l1, **_EXACT),
-    Check('l1_unstructured', 'count', 1, _l1_inputs('count'), _run_l1, **_EXACT),
-    Check('global_unstructured', 'three_layers', 2, _global_inputs, _run_global, **_EXACT),
+    Check('l1_unstructured', 'fraction_ties', 2, _l1_inputs('fraction'), _run_l1, **_EXACT, decode=_L1, explain=_explain_mask),
+    Check('l1_unstructured', 'count', 1, _l1_inputs('count'), _run_l1, **_EXACT, decode=_L1, explain=_explain_mask),
+    Check('global_unstructured', 'three_layers', 2, _global_inputs, _run_global, **_EXACT, explain=_explain_mask),
     Check('nm_mask', 'linear', 1, _nm_inputs('linear'), _run_nm, **_EXACT),
     Check('nm_mask', 'conv', 1, _nm_inputs('conv'), _run_nm, **_EXACT),
     Check('channel_importance', 'l1', 1, _importance_inputs('l1'), _run_importance, exact_dtype=True),

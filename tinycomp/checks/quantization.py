@@ -12,6 +12,8 @@ from ..course.spec import Check, ModuleSpec, arr, f32
 
 _DTYPES = ('int8', 'uint8', 'int4')
 _RANGES = {'int8': (-128, 127), 'uint8': (0, 255), 'int4': (-8, 7)}
+# how the checks store what the exercises take: a dtype's index, a flag as 0/1, axis None as -1
+_DECODE = {'dtype': lambda a: _DTYPES[int(a)], 'symmetric': lambda a: bool(a), 'axis': lambda a: None if int(a) < 0 else int(a)}
 
 # %% ../../nbs/checks/04_quantization.ipynb #e4f41283
 def _ranges(rng):
@@ -45,6 +47,17 @@ def _quantize_inputs(kind):
                 'zero_point': np.array(zp), 'dtype': np.array(_DTYPES.index(dtype))}
     return make
 
+def _explain_rounding(i, expected, got, k, idx):
+    "Why a quantized entry is off: a tie rounded the wrong way, or a value beyond the range not clamped."
+    r, zp = float(np.float32(i['x'][idx]) / np.float32(i['scale'])), int(i['zero_point'])
+    qmin, qmax = _RANGES[_DTYPES[int(i['dtype'])]]
+    if r % 1 == 0.5:
+        return (f"x / scale = {r:g} lies exactly halfway between {r - 0.5:g} and {r + 0.5:g}: the reference rounds half "
+                f"to even (np.round gives {np.round(r):g}, then + zero_point = {int(expected[k][idx])})")
+    if int(expected[k][idx]) in (qmin, qmax):
+        return f"round(x / scale) + zero_point = {int(np.round(r)) + zp} is outside [{qmin}, {qmax}]: it must be clamped"
+    return None
+
 def _run_quantize(ns, i):
     return {'q': arr(ns.quantize_per_tensor(i['x'], i['scale'], int(i['zero_point']), _DTYPES[int(i['dtype'])]))}
 
@@ -63,6 +76,14 @@ def _dequantize_inputs(kind):
         return {'q': rng.integers(-128, 128, shape).astype(np.int8), 'scale': rng.uniform(0.01, 0.1, shape[axis]).astype(np.float32),
                 'zero_point': rng.integers(-100, 100, shape[axis]).astype(np.int32), 'axis': np.array(axis)}
     return make
+
+def _explain_overflow(i, expected, got, k, idx):
+    "An entry whose `q - zero_point` does not fit in q's own type (computed there, it wraps around)."
+    axis = int(i['axis'])
+    q, zp = int(i['q'][idx]), int(i['zero_point'] if axis < 0 else i['zero_point'][idx[axis]])
+    lo, hi = np.iinfo(i['q'].dtype).min, np.iinfo(i['q'].dtype).max
+    if lo <= q - zp <= hi: return None
+    return f"q - zero_point = {q} - {zp} = {q - zp} does not fit in {i['q'].dtype} ({lo}..{hi}): in that type it wraps around"
 
 def _run_dequantize(ns, i):
     axis = None if int(i['axis']) < 0 else int(i['axis'])
@@ -258,7 +279,7 @@ def _run_requant(ns, i):
 # %% ../../nbs/checks/04_quantization.ipynb #71238862
 _EXACT = dict(exact_dtype=True, rtol=0, atol=0)
 
-MODULE = ModuleSpec('04', 'quantization', reference=(
+MODULE = ModuleSpec('04', 'quantization', decode=_DECODE, reference=(
     'tinycomp.quantization.core', 'tinycomp.quantization.observers', 'tinycomp.quantization.kernels',
     'tinycomp.quantization.int8_conv', 'tinycomp.quantization.layers', 'tinycomp.quantization.models',
     'tinycomp.quantization.analysis'),
@@ -271,13 +292,13 @@ MODULE = ModuleSpec('04', 'quantization', reference=(
     Check('calculate_qparams', 'asymmetric_uint8', 1, _qparams_inputs('uint8', False), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'symmetric_int8', 1, _qparams_inputs('int8', True), _run_qparams, exact_dtype=True),
     Check('calculate_qparams', 'symmetric_uint8_int4', 1, _qparams_inputs('uint8', True), _run_qparams, exact_dtype=True),
-    Check('quantize_per_tensor', 'ties', 1, _quantize_inputs('ties'), _run_quantize, **_EXACT),
-    Check('quantize_per_tensor', 'clamp', 1, _quantize_inputs('clamp'), _run_quantize, **_EXACT),
-    Check('quantize_per_tensor', 'uint8', 1, _quantize_inputs('uint8'), _run_quantize, **_EXACT),
-    Check('quantize_per_tensor', 'int4', 1, _quantize_inputs('int4'), _run_quantize, **_EXACT),
-    Check('dequantize', 'per_tensor', 1, _dequantize_inputs('per_tensor'), _run_dequantize, exact_dtype=True),
-    Check('dequantize', 'uint8', 1, _dequantize_inputs('uint8'), _run_dequantize, exact_dtype=True),
-    Check('dequantize', 'per_channel', 1, _dequantize_inputs('per_channel'), _run_dequantize, exact_dtype=True),
+    Check('quantize_per_tensor', 'ties', 1, _quantize_inputs('ties'), _run_quantize, **_EXACT, explain=_explain_rounding),
+    Check('quantize_per_tensor', 'clamp', 1, _quantize_inputs('clamp'), _run_quantize, **_EXACT, explain=_explain_rounding),
+    Check('quantize_per_tensor', 'uint8', 1, _quantize_inputs('uint8'), _run_quantize, **_EXACT, explain=_explain_rounding),
+    Check('quantize_per_tensor', 'int4', 1, _quantize_inputs('int4'), _run_quantize, **_EXACT, explain=_explain_rounding),
+    Check('dequantize', 'per_tensor', 1, _dequantize_inputs('per_tensor'), _run_dequantize, exact_dtype=True, explain=_explain_overflow),
+    Check('dequantize', 'uint8', 1, _dequantize_inputs('uint8'), _run_dequantize, exact_dtype=True, explain=_explain_overflow),
+    Check('dequantize', 'per_channel', 1, _dequantize_inputs('per_channel'), _run_dequantize, exact_dtype=True, explain=_explain_overflow),
     Check('per_channel_qparams', 'conv_weight', 1, _per_channel_inputs('conv_weight'), _run_per_channel, exact_dtype=True,
           deps=('calculate_qparams',)),
     Check('per_channel_qparams', 'uint8_axis1', 1, _per_channel_inputs('uint8_axis1'), _run_per_channel, exact_dtype=True,

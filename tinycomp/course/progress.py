@@ -43,10 +43,16 @@ def record_progress(report: Report, path=None) -> dict:
     if not isinstance(per_module, dict) or 'points' in per_module: per_module = data['modules'][report.module] = {}
     key = notebook_key(report)
     prev = per_module.get(key, {}) if isinstance(per_module.get(key), dict) else {}
-    per_module[key] = {'points': report.points, 'possible': report.possible, 'passed': report.passed,
+    graded = {e.name: [0.0 if report.error else e.points, e.possible] for e in report.exercises}
+    spec = modules().get(report.module)
+    if report.selection and spec is not None:      # one exercise or part: the others keep their last score
+        kept = prev.get('exercises') if isinstance(prev.get('exercises'), dict) else {}
+        graded = {n: graded.get(n) or kept.get(n) or [0.0, p] for n, p in spec.points_by_exercise().items()}
+    points = float(sum(p for p, _ in graded.values()))
+    possible = spec.possible if spec is not None else report.possible
+    per_module[key] = {'points': points, 'possible': possible, 'passed': points == possible and not report.error,
                        'date': datetime.datetime.now().isoformat(timespec='seconds'), 'time': time.time(),
-                       'best': max(report.points, prev.get('best', 0)),
-                       'exercises': {e.name: [e.points, e.possible] for e in report.exercises}}
+                       'best': max(points, prev.get('best', 0)), 'exercises': graded}
     with atomic_write(path) as f: f.write((json.dumps(data, indent=1, sort_keys=True) + '\n').encode())
     return data
 
@@ -59,7 +65,9 @@ def status(path=None, specs=None, root=None, detail=True) -> int:
     "Print the progress table of every learner module (with per-exercise points when `detail`)."
     specs = modules() if specs is None else specs
     data = load_progress(path)
-    print(f"{'module':<18}{'last score':>12}{'best':>8}  date")
+    w = max([len(f"{k} {s.name}") for k, s in specs.items()] + [6]) + 2
+    wx = max([len(n) for s in specs.values() for n in s.exercise_names()] + [8])
+    print(f"{'module':<{w}}{'last score':>12}{'best':>8}  date")
     for key, spec in specs.items():
         entries = data['modules'].get(key, {})
         entries = {k: v for k, v in entries.items() if isinstance(v, dict)} if isinstance(entries, dict) else {}
@@ -67,16 +75,16 @@ def status(path=None, specs=None, root=None, detail=True) -> int:
         pick = own if own in entries else max(entries, key=lambda k: entries[k].get('time', 0), default=None)
         label = f"{key} {spec.name}"
         if pick is None:
-            print(f"{label:<18}{'-/' + _fmt(spec.possible):>12}{'-':>8}  not tested yet"); continue
+            print(f"{label:<{w}}{'-':>12}{'-':>8}  not tested yet ({_fmt(spec.possible)} points)"); continue
         e = entries[pick]
         mark = '  all pass' if e.get('passed') else ''
-        print(f"{label:<18}{_fmt(e.get('points', 0)) + '/' + _fmt(spec.possible):>12}{_fmt(e.get('best', 0)):>8}  "
+        print(f"{label:<{w}}{_fmt(e.get('points', 0)) + '/' + _fmt(spec.possible):>12}{_fmt(e.get('best', 0)):>8}  "
               f"{e.get('date', '?')}{mark}")
-        if pick != own: print(f"{'':<18}(graded: {pick})")
+        if pick != own: print(f"{'':<{w}}(graded: {pick})")
         if detail:
             for i, name in enumerate(spec.exercise_names()):
                 got, possible = (e.get('exercises', {}).get(name) or [0, spec.points_by_exercise()[name]])
                 tick = 'ok' if got == possible else ('..' if got == 0 else '~')
-                print(f"    {key}.{i + 1:<3} {name:<28} {_fmt(got):>4}/{_fmt(possible):<4} {tick}")
+                print(f"    {key + '.' + str(i + 1):<7}{name:<{wx}} {_fmt(got):>4}/{_fmt(possible):<4} {tick}")
     print(f"(progress file: {path or progress_path()}; set TINYCOMP_HOME to keep it elsewhere)")
     return 0
