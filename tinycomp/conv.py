@@ -45,14 +45,19 @@ def conv_output_size(size, kernel, stride=1, padding=0, dilation=1):
 
 # %% ../nbs/02a_conv.ipynb #f05e826a
 def conv2d_naive(x, weight, bias=None, stride=1, padding=0):
-    """2-D convolution of `x` (N, C, H, W) with `weight` (Cout, C, kh, kw) and optional `bias` (Cout,),
-    with integer `stride` and zero `padding` (groups=1, dilation=1). Returns a float32 array (N, Cout, OH, OW).
+    """2-D convolution of `x` (N, C, H, W) with `weight` (Cout, C, kh, kw) and optional `bias` (Cout,), with integer
+    `stride` and zero `padding` (groups=1, dilation=1). Returns a float32 array (N, Cout, OH, OW).
 
-    TODO: compute `out[n, co, y, x] = bias[co] + sum over c, i, j of
-          weight[co, c, i, j] * x_padded[n, c, y*stride + i, x*stride + j]`.
-    APPROACH: pad `x` with zeros (`np.pad`), allocate the output with OH = `conv_output_size(H, kh, stride, padding)`
-          (same for OW), then loop over n, co, y, x and accumulate the sum over c, i, j in Python.
-    HINTS: plain Python loops are the point here (it will be slow); start the sum from `bias[co]` or 0.
+    TODO: the formula above, with s = `stride`, x_padded = `x` with `padding` zeros around H and W, OH, OW from
+    `conv_output_size`:
+    out[n, co, y, x] = bias[co] + sum over c, i, j of weight[co, c, i, j] * x_padded[n, c, y*s + i, x*s + j],
+    the bias term being 0 when `bias` is None. The result must be float32 (a check tests the dtype).
+    APPROACH: pad once, allocate the float32 output, loop over n, co, y and x, and accumulate the sum over c, i and j
+    in a scalar that starts from the bias.
+    HINT: plain Python loops are the point here (slow: later versions fix that). Test on what you can add by hand,
+    e.g. a 1x1x3x3 image and a 1x1x2x2 kernel of ones.
+    HINT: `np.pad` takes one (before, after) pair per axis: pad only the last two. `np.zeros` gives float64 unless you
+    ask for another dtype.
     """
     ### BEGIN SOLUTION
     x = np.asarray(x, dtype=np.float32); weight = np.asarray(weight, dtype=np.float32)
@@ -76,14 +81,18 @@ def conv2d_naive(x, weight, bias=None, stride=1, padding=0):
 
 # %% ../nbs/02a_conv.ipynb #dc54bd90
 def im2col(x, kh, kw, stride=1, padding=0):
-    """Unfold `x` (N, C, H, W) into columns of shape (C*kh*kw, N*OH*OW) for a kh x kw window with
-    integer `stride` and zero `padding`.
+    """Unfold `x` (N, C, H, W) into columns of shape (C*kh*kw, N*OH*OW) for a kh x kw window with integer `stride` and
+    zero `padding`.
 
-    TODO: row `(c*kh + i)*kw + j`, column `(n*OH + y)*OW + x` must hold `x_padded[n, c, y*stride + i, x*stride + j]`.
-    APPROACH: pad with `np.pad`; OH, OW from `conv_output_size`; allocate an array of shape (C, kh, kw, N, OH, OW);
-          for each (i, j) copy the strided slice `x_padded[:, :, i : i + stride*OH : stride, j : j + stride*OW : stride]`
-          (shape N, C, OH, OW) into `[:, i, j]` with the N and C axes swapped; finally reshape to (C*kh*kw, N*OH*OW).
-    HINTS: only two Python loops (over i and j); `.transpose(1, 0, 2, 3)` swaps N and C; keep x's dtype.
+    TODO: return `cols`, of shape (C*kh*kw, N*OH*OW) and of x's dtype (float64 stays float64: a check tests it), whose
+    row (c*kh + i)*kw + j, column (n*OH + y)*OW + x holds x_padded[n, c, y*stride + i, x*stride + j], with x_padded
+    and OH, OW as in `conv2d_naive`.
+    APPROACH: pad once; for each kernel offset (i, j), copy all it reads (every image, channel and output pixel at
+    once) into an array laid out (C, kh, kw, N, OH, OW); reshape that at the end.
+    HINT: for a fixed (i, j), which rows of x_padded do the output rows y = 0, 1, 2, ... read? A start, a step and a
+    count of them: that is a slice.
+    HINT: the slice has the axes (N, C, OH, OW), but the layout wants C before N: `np.transpose` reorders axes. Why
+    does a reshape of (C, kh, kw, N, OH, OW) put every entry at the row and column of the formula?
     """
     ### BEGIN SOLUTION
     x = np.asarray(x)
@@ -115,15 +124,19 @@ def conv2d_direct_kernel(x, weight, stride_h, stride_w, pad_h, pad_w, dil_h, dil
     """Direct convolution (no bias) of `x` (N, C, H, W) with `weight` (Cout, C//groups, kh, kw), compiled by Numba.
     Returns a new array (N, Cout, OH, OW) of x's dtype.
 
-    TODO: `out[n, co, y, x] = sum over c, i, j of weight[co, c, i, j] * x[n, g*Cg + c, y*stride_h - pad_h + i*dil_h,
-          x*stride_w - pad_w + j*dil_w]`, where Cg = C // groups, g = co // (Cout // groups), and positions outside
-          the input count as zero.
-    APPROACH: compute OH, OW with `conv_output_size` (a Numba function, so the kernel can call it);
-          `out = np.zeros(..., dtype=x.dtype)`; `for t in prange(N * Cout)` with `n, co = t // Cout, t % Cout`; then
-          loop over c, i, j, y, x with the weight value hoisted out of the two pixel loops, skipping rows/columns
-          that fall in the padding.
-    HINTS: Numba compiles this: plain loops and scalar arithmetic only, no np.dot; keep the innermost loop over
-          the output column `x` so consecutive iterations touch consecutive memory.
+    TODO: out[n, co, y, x] = the sum over c, i, j of weight[co, c, i, j] * x[n, g*Cg + c, y*stride_h - pad_h +
+    i*dil_h, x*stride_w - pad_w + j*dil_w], with Cg = C // groups, g = co // (Cout // groups) the group of co, and
+    positions outside the image counting as zero. OH, OW from `conv_output_size` (with dilation). The checks cover
+    stride, padding, dilation, groups and depthwise, on C-contiguous float32 inputs.
+    APPROACH: allocate a zero output (the kernel can call the Numba `conv_output_size`); one `prange` loop over the
+    (n, co) pairs; inside, for each input channel of co's group and each kernel tap, add weight times input into every
+    output pixel whose input position lies inside the image.
+    HINT: Numba compiles this function: loops, scalar arithmetic and `np.zeros` work, most of NumPy's array functions
+    do not. Write it for groups = 1 and no dilation first, compare with `conv2d_naive`, then add the rest.
+    HINT: with one `prange` over N*Cout, get n and co back from the flat index with integer division and remainder;
+    each iteration then writes its own output plane, so two threads never write the same entry.
+    HINT: for speed: read a tap's weight once outside the pixel loops, keep the output column innermost (consecutive
+    memory), and skip a whole row when its input row falls in the padding.
     """
     ### BEGIN SOLUTION
     n_, c_, h, w = x.shape
@@ -341,13 +354,15 @@ def conv2d_weight_grad_kernel(x, grad_out, kh, kw, stride_h, stride_w, pad_h, pa
     """Gradient of a conv2d's loss with respect to its weight, for input `x` (N, C, H, W) and output gradient
     `grad_out` (N, Cout, OH, OW). Returns an array (Cout, C//groups, kh, kw) of x's dtype.
 
-    TODO: `dW[co, c, i, j] = sum over n, y, x of grad_out[n, co, y, x] * x[n, g*Cg + c, y*stride_h - pad_h + i*dil_h,
-          x*stride_w - pad_w + j*dil_w]` (zero outside the input), with Cg = C // groups and g = co // (Cout // groups).
-    APPROACH: allocate `dw = np.zeros((Cout, Cg, kh, kw), dtype=x.dtype)`; `for co in prange(Cout)` (each thread
-          owns its output channel, so no two threads write the same dw entry); loop over c, i, j and accumulate
-          the sum over n, y, x in a local scalar.
-    HINTS: this is the forward kernel with the roles of weight and output swapped; skip padded rows/columns with
-          the same bounds test as the forward pass.
+    TODO: dW[co, c, i, j] = the sum over n, y, x of grad_out[n, co, y, x] times x[n, g*Cg + c, y*stride_h - pad_h +
+    i*dil_h, x*stride_w - pad_w + j*dil_w] (zero outside the image), with Cg = C // groups and g = co // (Cout //
+    groups) as in the forward kernel, and OH, OW the last two sizes of `grad_out`; inputs as for the forward kernel.
+    APPROACH: allocate the result; run a `prange` loop over the output channels; for every (c, i, j) of that channel,
+    accumulate the sum over n, y and x in a local scalar and store it once.
+    HINT: the forward kernel with roles swapped: output gradient times input pixel goes into the weight tap that
+    multiplied them. Reuse the forward kernel's index arithmetic and bounds test.
+    HINT: why a `prange` over Cout here, and not over N*Cout as in the forward kernel? Think of two threads with the
+    same co and different n: both would add into the same dW entries at the same time.
     """
     ### BEGIN SOLUTION
     n_, c_, h, w = x.shape

@@ -42,10 +42,23 @@ class SGD(Optimizer):
     def step(self):
         """Update every parameter that has a gradient, in place (`p.data`).
 
-        TODO: for each `p` (index `i`) with `p.grad` not None: `d = grad + weight_decay * p.data`; with momentum,
-        `v = d` on the first step, else `v = momentum * v + d` (keep it in `self.velocities[i]`), then
-        `d = d + momentum * v` (Nesterov) or `d = v`; finally `p.data -= lr * d`.
-        HINTS: keep everything in `p.data`'s dtype (float32); skip parameters whose grad is None.
+        TODO: one step of the lesson's update for every parameter `p` (index `i` in `self.params`) whose `p.grad` is
+        not None; the others are skipped, and their velocity stays as it is. With g the gradient and w the weights:
+        d = g + weight_decay * w;
+        with momentum > 0, a velocity v kept in entry `i` of `self.velocities`: v = d on the parameter's first step
+        with a gradient, v = momentum * v + d after that; the direction is d + momentum * v with Nesterov, v without;
+        without momentum the direction is d; the new weights are w - lr * direction.
+        The settings are `self.lr`, `self.momentum`, `self.nesterov` and `self.weight_decay`. `p.data` and the
+        velocities stay float32, and `p.grad` must not change (the checks look at the gradient arrays after the
+        steps).
+        APPROACH: loop over the parameters with their index; compute d; with momentum, create or update the stored
+        velocity and choose the direction; then replace `p.data` by the new values in its own dtype.
+        HINT: how can you tell, from `self.velocities`, that a parameter has no velocity yet? (The list starts as one
+        None per parameter.)
+        HINT: if the velocity is the gradient array itself and you later update it in place (`*=`, `+=`), you change
+        `p.grad` behind your back: copy it, or build new arrays.
+        HINT: combining a float32 array with a Python float keeps float32, with a float64 array it does not; casting
+        the new `p.data` to the old dtype is a cheap guarantee.
         """
         ### BEGIN SOLUTION
         for i, p in enumerate(self.params):
@@ -72,10 +85,18 @@ class Adam(Optimizer):
     def step(self):
         """One Adam update of every parameter that has a gradient, in place.
 
-        TODO: increment `self.t`; for each `p` (index `i`) with a gradient: `g = grad + weight_decay * p.data`;
-        update `self.m[i]` and `self.v[i]`; bias-correct them with `1 - beta**t`; `p.data -= lr * m_hat /
-        (sqrt(v_hat) + eps)`.
-        HINTS: `b1, b2 = self.betas`; the step counter is shared by all parameters.
+        TODO: increase the step counter `self.t` by 1 (once per call, shared by all parameters); then, for every
+        parameter `p` (index `i`) whose `p.grad` is not None, the lesson's update: g = gradient + weight_decay * w,
+        the running means `self.m[i]` and `self.v[i]` (float32 zeros at the start) updated and stored back,
+        bias-corrected with 1 - beta**t, and w becomes w - lr * m_hat / (sqrt(v_hat) + eps). Parameters without a
+        gradient are skipped (their m and v do not change). `self.betas` is the pair (beta1, beta2), with `self.lr`,
+        `self.eps` and `self.weight_decay`. `p.data` stays float32 and `p.grad` must not change.
+        APPROACH: count the step first; then, per parameter with a gradient: compute g, update and store the two
+        running means, form the two bias-corrected estimates, and take the step, writing `p.data` back in its dtype.
+        HINT: the bias correction uses the shared count t, not the number of steps this particular parameter had a
+        gradient: where do you increase it so that it counts calls?
+        HINT: eps is added after the square root, as in the formula; one check uses eps = 1e-3, where the difference
+        shows.
         """
         ### BEGIN SOLUTION
         self.t += 1

@@ -50,15 +50,19 @@ def _max_pool2d_kernel(x, kh, kw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w
 # %% ../nbs/02b_pooling.ipynb #2f9c4045
 @njit(cache=True)
 def max_pool2d_backward(grad_out, indices, height, width):
-    """Backward pass of max pooling: route each output gradient to the input position that won its window.
-    `grad_out` and `indices` have shape (N, C, OH, OW); `indices[n, c, y, x]` is the flat position `iy*width + ix`
-    of the maximum inside plane (n, c). Returns the input gradient (N, C, height, width) of grad_out's dtype.
+    """Backward pass of max pooling: route each output gradient to the input position that won its window. `grad_out`
+    and `indices` have shape (N, C, OH, OW); `indices[n, c, y, x]` is the flat position `iy*width + ix` of the maximum
+    inside plane (n, c). Returns the input gradient (N, C, height, width) of grad_out's dtype.
 
-    TODO: start from zeros and add `grad_out[n, c, y, x]` at `indices[n, c, y, x]` of plane (n, c).
-    APPROACH: `dx = np.zeros((N, C, height, width), dtype=grad_out.dtype)`; `for t in range(N * C)` (one plane per
-          thread); for every (y, x): `k = indices[n, c, y, x]`, then `dx[n, c, k // width, k % width] += g`.
-    HINTS: add (+=), do not assign: overlapping windows (stride < kernel) can share a winner. Numba compiles this,
-          so use loops.
+    TODO: return dx of shape (N, C, height, width) and grad_out's dtype: zero everywhere, plus, for every output
+    position (n, c, y, x), grad_out[n, c, y, x] at the input position that indices[n, c, y, x] names in plane (n, c).
+    With overlapping windows one position can win several times (a check draws repeated winners): its gradients add
+    up. Inputs arrive C-contiguous, `indices` as int64.
+    APPROACH: allocate zeros; loop over the planes (n, c) and their output positions; turn each flat index back into a
+    row and a column, and add the output gradient there.
+    HINT: k = iy*width + ix: which integer operations on k and `width` give iy and ix back?
+    HINT: add, do not assign: with assignment a position that won two windows keeps only the last gradient. Numba
+    compiles this function, so write plain loops.
     """
     ### BEGIN SOLUTION
     n_, c_, oh, ow = grad_out.shape

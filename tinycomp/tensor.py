@@ -47,11 +47,17 @@ def no_grad():
 def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
     """Sum `grad` (the gradient of a broadcast result) down to `shape` (the shape of the input).
 
-    TODO: return an array of exactly `shape` whose entries are the sums of the `grad` entries that the
-    input's entry was copied into by broadcasting.
-    APPROACH: 1) sum over the leading axes that broadcasting prepended (`grad.ndim - len(shape)` of them);
-    2) for every axis where `shape` has size 1 but `grad` does not, sum over it keeping the axis.
-    HINTS: `np.sum(a, axis=tuple_of_axes, keepdims=True)`; a shape `()` (a scalar) is fine too.
+    TODO: return an array of exactly `shape` whose entries are the sums of the `grad` entries that the input's entry
+    was copied into by broadcasting. `grad` may have extra leading axes (broadcasting prepended them) and axes of any
+    size where `shape` has size 1 (broadcasting stretched them); both kinds can occur together. `shape` is a tuple of
+    ints and may be `()` (a scalar input); when `grad` already has `shape`, its values come back unchanged.
+    APPROACH: two kinds of axes have to go: first sum away the leading axes that `shape` does not have, then sum over
+    every axis that `shape` has as 1 while keeping it, and finally make sure the result has exactly `shape`.
+    HINT: line the two shapes up from the right, as NumPy's broadcasting rules do (e.g. `grad` (5, 3, 4) against
+    `shape` (3, 1)): which axes of `grad` have no partner in `shape`, and which partners have size 1?
+    HINT: `np.sum` accepts a tuple of axes, and its `keepdims` argument leaves each summed axis in place with size 1,
+    which is what `shape` wants for a stretched axis (but not for a prepended one).
+    HINT: a final `reshape` to `shape` costs nothing and also covers the scalar case `()`.
     """
     ### BEGIN SOLUTION
     shape = tuple(shape)
@@ -66,9 +72,14 @@ def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
 def add_backward(grad, a_shape, b_shape):
     """Gradients of `a + b` with respect to `a` and `b` (as a tuple), given `grad` of the output.
 
-    TODO: return `(grad_a, grad_b)` with shapes `a_shape` and `b_shape`.
-    APPROACH: d(a+b)/da = 1 and d(a+b)/db = 1; broadcasting may have stretched either input.
-    HINTS: `unbroadcast`.
+    TODO: return `(grad_a, grad_b)`, the gradients of the loss with respect to `a` and `b`, with shapes `a_shape` and
+    `b_shape` (tuples). The two inputs may have been broadcast against each other, so either shape can differ from
+    `grad.shape`.
+    APPROACH: find each input's gradient at the output's shape from the chain rule above, then bring each one back to
+    its own input's shape with the function you wrote just before.
+    HINT: what is the derivative of `a + b` with respect to `a`? What does the chain rule then give for the gradient
+    of `a`, before any broadcasting is undone?
+    HINT: `unbroadcast` does the summing; call it once per input, each time with that input's shape.
     """
     ### BEGIN SOLUTION
     return unbroadcast(grad, a_shape), unbroadcast(grad, b_shape)
@@ -78,9 +89,14 @@ def add_backward(grad, a_shape, b_shape):
 def mul_backward(grad, a, b):
     """Gradients of `a * b` with respect to `a` and `b` (arrays), given `grad` of the output.
 
-    TODO: return `(grad_a, grad_b)` with the shapes of `a` and `b`.
-    APPROACH: d(ab)/da = b and d(ab)/db = a, then undo broadcasting.
-    HINTS: multiply first, then `unbroadcast`.
+    TODO: return `(grad_a, grad_b)` with the shapes of `a` and `b`, from the rule for the element-wise product above.
+    `a` and `b` are arrays that may have been broadcast against each other; `grad` has the output's shape.
+    APPROACH: form each input's gradient at the output's shape (the chain rule times the local derivative), then sum
+    each back to its own input's shape with `unbroadcast`.
+    HINT: try numbers: with c = a * b, a = 2 and b = 5, how much does c move when a moves by 1? So which array does
+    the gradient of `a` involve?
+    HINT: multiply while everything still has the output's shape (broadcasting does the work), and undo the broadcast
+    afterwards; `np.shape` gives the shape of each input.
     """
     ### BEGIN SOLUTION
     return unbroadcast(grad * b, np.shape(a)), unbroadcast(grad * a, np.shape(b))
@@ -90,11 +106,20 @@ def mul_backward(grad, a, b):
 def matmul_backward(grad, a, b):
     """Gradients of `a @ b` with respect to `a` and `b`, following NumPy's `matmul` rules.
 
-    TODO: return `(grad_a, grad_b)` with the shapes of `a` and `b`.
-    APPROACH: 1) turn 1-D operands into matrices (a: `(k,)`->`(1, k)`, b: `(k,)`->`(k, 1)`) and put the
-    removed axes back into `grad` (first b's, then a's); 2) `ga = grad @ swapaxes(b)`, `gb = swapaxes(a) @ grad` on the last two axes;
-    3) `unbroadcast` over batch axes and reshape back to the original shapes.
-    HINTS: `np.swapaxes(x, -1, -2)`, `grad[..., None]` and `grad[..., None, :]`.
+    TODO: return `(grad_a, grad_b)` with the shapes of `a` and `b`, for every case of NumPy's `@` the checks try: two
+    matrices; batched operands (leading axes, broadcast: one operand may lack the other's batch axes); a 1-D operand
+    (a 1-D `a` acts as a row (1, k), a 1-D `b` as a column (k, 1), and the product drops that axis, so `grad` lacks it
+    too); and two 1-D operands (a dot product, `grad` is 0-d). The matrix rule is the lesson's: dL/dA = G B^T and
+    dL/dB = A^T G.
+    APPROACH: reduce every case to the batched-matrix one: view 1-D operands as matrices and give `grad` back the axes
+    the product removed; apply the matrix rule on the last two axes; then sum away the batch axes that broadcasting
+    added (with `unbroadcast`) and reshape to the original shapes.
+    HINT: check the matrix rule on shapes first: for (n, k) @ (k, m), which product of `grad` (n, m) with a transposed
+    operand has shape (n, k)?
+    HINT: `.T` reverses all the axes, which is wrong for batched operands: `np.swapaxes` exchanges just the last two.
+    Indexing with `None` inserts an axis of size 1 where you put it.
+    HINT: a 1-D `b` removed the last axis of the result, a 1-D `a` the one before it; restore b's first, then a's.
+    Trace the dot-product case (k,) @ (k,) by hand: what shapes do the two matrices and `grad` get?
     """
     ### BEGIN SOLUTION
     a2 = a[None, :] if a.ndim == 1 else a
@@ -110,8 +135,12 @@ def matmul_backward(grad, a, b):
 def relu_backward(grad, x):
     """Gradient of `relu(x)` with respect to `x`, given `grad` of the output.
 
-    TODO: pass `grad` through where `x > 0`, zero elsewhere (including at exactly 0).
-    HINTS: a boolean mask, cast to `grad`'s dtype.
+    TODO: return an array of `grad`'s shape and dtype: `grad` where `x` is positive and 0 wherever `x` is negative or
+    exactly 0 (the checks put exact zeros in `x`).
+    APPROACH: build a mask of where the input was positive, and let the gradient through only there.
+    HINT: what does comparing an array with a number give you? What happens when you multiply by it?
+    HINT: a boolean array used in arithmetic counts as 0 and 1; `np.where` is another way. Look at the dtype of your
+    result: it should be `grad`'s.
     """
     ### BEGIN SOLUTION
     return grad * (x > 0).astype(grad.dtype)
@@ -121,9 +150,15 @@ def relu_backward(grad, x):
 def log_softmax_forward(x, axis=-1):
     """Numerically stable `log(softmax(x))` along `axis`.
 
-    TODO: return `x - logsumexp(x)` along `axis`, finite even for logits like 1000.
-    APPROACH: subtract the max along `axis` (keepdims), then subtract log of the sum of exps.
-    HINTS: `np.max(..., keepdims=True)`, `np.log(np.sum(np.exp(shifted), axis, keepdims=True))`.
+    TODO: return log(softmax(x)) along `axis` (an int, possibly negative), an array of `x`'s shape: x_i - log(sum_j
+    exp(x_j)) over that axis. It must stay finite for logits around 1000 or -1000 (a check uses them), where `np.exp`
+    overflows to inf or underflows to 0.
+    APPROACH: use the shifted form of the lesson: subtract the maximum along `axis` first, then work with the shifted
+    values only, every reduction along the same axis.
+    HINT: why does exp(1000) break, and why can exp(x - max) never overflow? What is the largest value it takes?
+    HINT: reductions drop the reduced axis, so an (N, C) array minus an (N,) result does not line up; the `keepdims`
+    argument of NumPy's reductions keeps the axis with size 1, so it broadcasts back.
+    HINT: try a row like [1000, 1001, 1002]: the result must equal the one for [0, 1, 2].
     """
     ### BEGIN SOLUTION
     shifted = x - np.max(x, axis=axis, keepdims=True)
@@ -134,8 +169,13 @@ def log_softmax_forward(x, axis=-1):
 def log_softmax_backward(grad, out, axis=-1):
     """Gradient of `log_softmax` w.r.t. its input, given `grad` of the output and the output `out`.
 
-    TODO: return `grad - softmax * sum(grad)` along `axis`.
-    HINTS: `softmax = np.exp(out)`; keep the summed axis (`keepdims=True`).
+    TODO: return the input gradient of the lesson, g_i - p_i * sum_j g_j along `axis`, with p the softmax: an array of
+    `grad`'s shape. `out` is the forward output (the log-probabilities), not the logits.
+    APPROACH: recover the softmax from the output you are given, sum the gradient along `axis`, and combine the two as
+    the formula says.
+    HINT: if `out` is log(p), how do you get p back without the logits?
+    HINT: sum_j g_j is one number per slice along `axis`: keep that axis (the `keepdims` argument) so it broadcasts
+    against p.
     """
     ### BEGIN SOLUTION
     return grad - np.exp(out) * np.sum(grad, axis=axis, keepdims=True)

@@ -29,11 +29,16 @@ def _check_labels(logits: Tensor, labels) -> np.ndarray:
 def cross_entropy(logits, labels, reduction='mean'):
     """Cross-entropy of `logits` (N, C) against integer `labels` (N,), like `torch.nn.functional.cross_entropy`.
 
-    TODO: return a Tensor: the per-sample losses `-log_softmax(logits)[i, labels[i]]`, averaged
-    (`reduction='mean'`), summed (`'sum'`) or not reduced (`'none'`).
-    APPROACH: use Tensor ops only (`log_softmax` along axis 1, fancy indexing with `np.arange(N)` and `labels`),
-    so autograd provides the gradient.
-    HINTS: the labels arrive validated as a NumPy integer array.
+    TODO: return a Tensor: the per-sample losses l_i = -log(softmax(logits_i))[labels_i], averaged
+    (`reduction='mean'`), summed (`'sum'`) or not reduced (`'none'`, shape (N,)); any other `reduction` raises
+    `TinycompError`. The checks also compare `logits.grad` after `backward()`, so build the result from Tensor
+    operations. `logits` arrives as a Tensor (N, C), `labels` validated as a NumPy integer array (N,).
+    APPROACH: take the log-softmax of the logits along the class axis with the Tensor method of 01a, pick in every row
+    the entry of that row's label, negate, then reduce as asked.
+    HINT: you write no backward rule here: which Tensor operations does the formula need, and do they all exist
+    already?
+    HINT: picking one entry per row is NumPy's fancy indexing with two integer arrays, the row numbers and the column
+    numbers; Tensor indexing supports it and routes the gradient back.
     """
     logits = as_tensor(logits)
     labels = _check_labels(logits, labels)
@@ -57,13 +62,17 @@ def mse_loss(input, target, reduction='mean'):
 
 # %% ../../nbs/01b_functional.ipynb #e24e49a0
 def linear(input, weight, bias=None) -> Tensor:
-    """Affine map `input @ weight.T + bias`, weight of shape (out_features, in_features), like `torch.nn.functional.linear`.
+    """Affine map y = x W^T + b of a fully connected layer, with a weight of shape (out_features, in_features), like
+    `torch.nn.functional.linear`.
 
-    TODO: return a Tensor of shape (..., out_features): `input @ weight.T`, plus `bias` (shape
-    (out_features,)) unless `bias` is None.
-    APPROACH: `input` and `weight` arrive as Tensors with checked shapes; use Tensor ops only (`@`, `.T`, `+`)
-    so autograd provides the gradients of input, weight and bias.
-    HINTS: `Tensor.T` reverses the axes of the 2-D weight; the bias broadcasts over the leading axes by itself.
+    TODO: return a Tensor of shape (..., out_features): x W^T, plus `bias` (shape (out_features,)) unless `bias` is
+    None. `input` and `weight` arrive as Tensors with checked shapes; `input` may have any number of leading axes. The
+    checks compare the gradients of input, weight and bias too, so use Tensor operations only.
+    APPROACH: one matrix product of the input with the weight, suitably transposed, then the bias if there is one;
+    autograd provides the gradients.
+    HINT: `weight` is stored (out, in): what must be transposed so that (..., in) times it gives (..., out)?
+    `Tensor.T` reverses the axes of a 2-D Tensor.
+    HINT: does the bias need reshaping? Broadcasting aligns shapes from the right.
     """
     input, weight = as_tensor(input), as_tensor(weight)
     if weight.ndim != 2: raise ShapeError(f"linear expects a weight of shape (out_features, in_features), got {weight.shape}")

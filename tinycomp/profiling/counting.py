@@ -30,12 +30,15 @@ from ..tensor import Tensor, no_grad
 def conv2d_flops(in_shape, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True) -> int:
     """FLOPs of one 2-D convolution (a multiply-add counts as 2) on an input of shape `in_shape` = (N, Cin, H, W).
 
-    TODO: return `2 * N * Cout * OH * OW * (Cin // groups) * kh * kw`, plus `N * Cout * OH * OW` when `bias`,
-    as a Python int.
-    APPROACH: 1) turn `kernel_size`, `stride`, `padding` and `dilation` (each an int or a pair) into pairs;
-    2) OH, OW from `conv_output_size(size, kernel, stride, padding, dilation)` along each axis;
-    3) multiply it out.
-    HINTS: `_pair(3)` is `(3, 3)` and `_pair((3, 1))` stays `(3, 1)`; the cost has `Cin // groups`, not `Cin`.
+    TODO: return, as a Python int (the notebook tests the type), the formula above: 2 * N * Cout * OH * OW * (Cin /
+    groups) * kh * kw, plus N * Cout * OH * OW when `bias`. `kernel_size`, `stride`, `padding` and `dilation` are each
+    an int or a pair (h, w); OH and OW depend on all four. The checks cover stride, padding, dilation, groups and no
+    bias.
+    APPROACH: turn the four settings into pairs, compute the output height and width with module 02's output-size
+    function, and multiply out the formula.
+    HINT: `_pair` and `conv_output_size` (module 02) are imported above: what does `_pair` give for 3, and for (3, 1)?
+    What arguments does `conv_output_size` take?
+    HINT: each output channel only sees the input channels of its group: Cin / groups of them, not Cin.
     """
     ### BEGIN SOLUTION
     n, cin, h, w = (int(v) for v in in_shape)
@@ -49,13 +52,17 @@ def conv2d_flops(in_shape, out_channels, kernel_size, stride=1, padding=0, dilat
 def output_shape(module, in_shape) -> tuple:
     """Shape (a tuple of ints) of what the leaf layer `module` returns for an input of shape `in_shape`.
 
-    TODO: follow the table above for Linear, Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d, ReLU,
-    Sigmoid, Tanh, Dropout and Flatten; raise a `TinycompError` naming the type for any other layer. The checks pass
-    shapes far larger than any array (a height of 10**12): compute the shape from the layer's settings, never run it.
-    APPROACH: `isinstance` tests, one per row of the table. For the conv and the pools, compute each spatial size with
-    `conv_output_size(size, kernel, stride, padding, dilation)` from pairs of the layer's settings.
-    HINTS: pools store their arguments as given (an int, a pair, or `stride=None` meaning the kernel size), so pass
-    them through `_pair`; Conv2d stores pairs already; `math.prod` multiplies the flattened dims.
+    TODO: return the output shape as a tuple of Python ints, following the table above for Linear, Conv2d, MaxPool2d,
+    AvgPool2d, AdaptiveAvgPool2d, BatchNorm2d, ReLU, Sigmoid, Tanh, Dropout and Flatten; for any other layer raise a
+    `TinycompError` naming its type. The checks pass shapes far larger than any array (a batch of about 10**6, a
+    height of 10**12): compute the shape from the layer's settings, never run the layer.
+    APPROACH: one `isinstance` test per row of the table; for Conv2d and the pools, gather kernel, stride, padding and
+    dilation as pairs and compute each spatial size with `conv_output_size`.
+    HINT: where does each layer keep its settings? Look at the attributes of a Conv2d, a MaxPool2d and a Flatten (for
+    example with `vars`).
+    HINT: Conv2d stores pairs already, but the pools keep their arguments as given: an int, a pair, or a stride of
+    None that means the kernel size; AvgPool2d has no dilation. `_pair` turns an int into a pair.
+    HINT: `math.prod` multiplies a sequence of Python ints and gives a Python int (`np.prod` gives a NumPy integer).
     """
     ### BEGIN SOLUTION
     shape = tuple(int(v) for v in in_shape)
@@ -305,11 +312,14 @@ def trace_events(rows, pid=0, tid=0) -> list:
     """Chrome-trace complete events for profile rows (dicts with 'name', 'start_s', 'duration_s', 'flops',
     'output_shape'), in the rows' order.
 
-    TODO: for each row return `{'name': ..., 'ph': 'X', 'ts': start in µs, 'dur': duration in µs, 'pid': pid,
-    'tid': tid, 'args': {'flops': the FLOPs as an int, 'output_shape': the shape as a list}}`.
-    APPROACH: one dict per row, in a list comprehension.
-    HINTS: the rows hold seconds and the trace wants microseconds (multiply by 1e6); `int(...)` and `list(...)`
-    make NumPy numbers and tuples JSON-friendly.
+    TODO: return a list with one dict per row, in the rows' order, with the keys of a complete event: 'name' (the
+    row's name), 'ph' ('X'), 'ts' and 'dur' (the row's start and duration in microseconds), 'pid' and 'tid' (the
+    arguments), and 'args', a dict with 'flops' (the row's FLOPs as an int) and 'output_shape' (the row's shape as a
+    list). The rows hold seconds; the checks compare 'ts' and 'dur' to 1e-12, so convert without rounding.
+    APPROACH: build one dict per row with the keys above; a list comprehension is enough.
+    HINT: the rows hold seconds and the trace wants microseconds: by what factor do you scale?
+    HINT: the trace is written as JSON, which knows neither tuples nor NumPy integers: `int` and `list` make them
+    plain Python values.
     """
     ### BEGIN SOLUTION
     return [{'name': r['name'], 'ph': 'X', 'ts': r['start_s'] * 1e6, 'dur': r['duration_s'] * 1e6, 'pid': pid,

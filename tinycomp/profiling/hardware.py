@@ -55,14 +55,18 @@ def measure_bandwidth(array_mb=128, repeats=5) -> dict:
 
 # %% ../../nbs/03c_hardware.ipynb #46a58360
 def attainable_flops(intensity, peak_flops, bandwidth) -> np.ndarray:
-    """The roofline: the highest FLOP rate a kernel of arithmetic `intensity` (FLOP/byte) can reach on a machine
-    with compute peak `peak_flops` and memory `bandwidth` (consistent units, e.g. GFLOP/s and GB/s).
+    """The roofline: the highest FLOP rate a kernel of arithmetic `intensity` (FLOP/byte) can reach on a machine with
+    compute peak `peak_flops` and memory `bandwidth` (consistent units, e.g. GFLOP/s and GB/s).
 
-    TODO: return, as a float64 NumPy array, `min(peak_flops, intensity * bandwidth)` element by element.
-    APPROACH: convert the inputs to float64 arrays; the memory roof is `intensity * bandwidth`; take the smaller
-    of it and the compute roof, element-wise. Scalars broadcast against arrays; a scalar intensity gives a 0-d array.
-    HINTS: `np.asarray(x, dtype=np.float64)`, `np.minimum` (not Python's `min`, which does not work element-wise);
-    `np.minimum` of two 0-d arrays returns a NumPy scalar, so wrap the result in `np.asarray`.
+    TODO: return, as a float64 NumPy array, the smaller of the compute roof `peak_flops` and the memory roof
+    (intensity times bandwidth), element by element. Each input may be a number or an array; scalars broadcast against
+    arrays, and a scalar intensity gives a 0-d array (an ndarray, not a NumPy scalar). The checks compare to 1e-12.
+    APPROACH: convert the inputs to float64 arrays, compute the memory roof, take the element-wise smaller of the two
+    roofs, and make sure what you return is an array.
+    HINT: Python's `min` compares whole objects, not elements: which NumPy function takes the element-wise minimum of
+    two arrays?
+    HINT: look at `type(np.minimum(np.asarray(1.0), np.asarray(2.0)))`: on 0-d arrays a NumPy function returns a
+    scalar, and `np.asarray` makes it an array again.
     """
     ### BEGIN SOLUTION
     intensity = np.asarray(intensity, dtype=np.float64)
@@ -218,14 +222,18 @@ def estimate_batch_memory_mb(model, batch_size, sample_shape=(1, 8, 8), probes=(
 def largest_batch(memory_of, budget, max_batch=4096) -> int:
     """The largest batch size `b` in [1, max_batch] with `memory_of(b) <= budget`, by bisection.
 
-    TODO: `memory_of(b)` is non-decreasing in `b`. Return the largest fitting `b`, calling `memory_of` only
-    O(log max_batch) times (at most 2*ceil(log2(max_batch)) + 2). If even `memory_of(1) > budget`, raise
-    `TinycompError` with a message that says what a batch of 1 needs and what the budget is.
-    APPROACH: check batch 1 first (raise if it does not fit). Then keep `lo` = a batch known to fit and
-    `hi` = the largest batch that may still fit (start: 1 and max_batch). Until they meet, try the batch halfway
-    between them, rounded up (so the interval always shrinks): if it fits, move `lo` up to it, else move `hi` to
-    one below it.
-    HINTS: `from tinycomp.errors import TinycompError` is already imported; no linear scan; return an int.
+    TODO: `memory_of(b)` never decreases as `b` grows. Return, as an int, the largest b in [1, max_batch] with
+    memory_of(b) <= budget (it may be max_batch itself, or 1), calling `memory_of` O(log max_batch) times: the checks
+    count at most 2*ceil(log2(max_batch)) + 2 calls. If even a batch of 1 does not fit, raise `TinycompError` with a
+    message that says what a batch of 1 needs and what the budget is.
+    APPROACH: check batch 1 first and raise if it does not fit. Then bisect: keep an interval whose lower end is known
+    to fit and whose upper end is the largest batch that may still fit; test a batch inside it, move one end, and stop
+    when the two ends meet.
+    HINT: after testing a batch m you know one of two things: if it fits, the answer is at least m; if not, it is at
+    most m - 1. Which end of the interval moves in each case?
+    HINT: with lo = 5 and hi = 6, the midpoint rounded down is 5, which you already know fits: the interval does not
+    shrink and the loop never ends. Which rounding of the midpoint avoids that?
+    HINT: `TinycompError` is already imported; put both numbers in the message.
     """
     ### BEGIN SOLUTION
     need = memory_of(1)

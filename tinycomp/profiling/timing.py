@@ -23,14 +23,21 @@ from ..errors import TinycompError
 def latency_stats(times, rng, n_boot=1000) -> dict:
     """Median, p90, p99, mean, coefficient of variation and a bootstrap 95 % interval of the median of `times`.
 
-    TODO: `times` is a 1-D float array of seconds (at least one entry), `rng` a `np.random.Generator`. Return a
-    dict of Python floats with the keys `median`, `p90`, `p99`, `mean`, `cv`, `ci_low`, `ci_high`.
-    APPROACH: 1) `median`, `p90`, `p99`: `np.percentile(times, q)` for q = 50, 90, 99 (NumPy's default, linear
-    interpolation); 2) `mean`, and `cv = times.std() / times.mean()` (ddof 0; 0.0 if the mean is 0);
-    3) the bootstrap with n = len(times): `idx = rng.integers(0, n, size=(n_boot, n))`,
-    `medians = np.median(times[idx], axis=1)`, `ci_low, ci_high = np.percentile(medians, [2.5, 97.5])`.
-    HINTS: draw from `rng` exactly once, exactly as in 3), or your interval will differ from the reference;
-    `np.asarray(times, dtype=np.float64)` accepts lists too; `float(...)` turns NumPy scalars into Python floats.
+    TODO: `times` is a 1-D array (or list) of seconds with at least one entry, `rng` a `np.random.Generator`. Return a
+    dict of Python floats with the keys `median`, `p90`, `p99` (the 50th, 90th and 99th percentiles, NumPy's default
+    linear interpolation), `mean`, `cv` (the standard deviation, ddof 0, over the mean; 0.0 if the mean is 0), and
+    `ci_low`, `ci_high`: the 2.5th and 97.5th percentiles of the medians of `n_boot` bootstrap resamples. The checks
+    compare to 1e-9, so the bootstrap must be the reference's: with n = len(times), one call to `rng.integers` draws
+    all the resample indices (from 0 to n - 1) as an array of shape (n_boot, n), row b being resample b; `rng` is used
+    for nothing else.
+    APPROACH: compute the percentiles, the mean and the cv of the times directly; then draw the index array once,
+    gather the resampled times with it, take each resample's median, and the two percentiles of those medians.
+    HINT: `np.percentile` accepts a list of percentiles and returns them all at once; the statistics of one array need
+    no Python loop.
+    HINT: indexing an array with an integer array of shape (n_boot, n) gives an array of that shape, one resample per
+    row: along which axis must the median run?
+    HINT: `float` turns NumPy scalars into Python floats; converting `times` to a float64 array first makes lists work
+    too.
     """
     ### BEGIN SOLUTION
     times = np.asarray(times, dtype=np.float64)

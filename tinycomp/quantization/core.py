@@ -75,16 +75,25 @@ def _check_range(min_val, max_val):
 def calculate_qparams(min_val, max_val, dtype='int8', symmetric=False):
     """Scale (float32) and zero point (int32) that map the range [min_val, max_val] onto the integers of `dtype`.
 
-    TODO: return `(scale, zero_point)` as arrays of the broadcast shape of `min_val` and `max_val` (0-d for
-    numbers): `scale` float32, `zero_point` int32.
-    APPROACH: extend the range to contain 0 (`lo = min(lo, 0)`, `hi = max(hi, 0)`). Asymmetric:
-    `scale = (hi - lo) / (qmax - qmin)`, `zero_point = clip(qmin - round(lo / scale), qmin, qmax)`. Symmetric:
-    `scale = max(-lo, hi) / ((qmax - qmin) / 2)` and `zero_point` 0, or 128 for 'uint8'. Where the scale is 0 (a
-    zero range) or below `np.finfo(np.float32).tiny` (it underflowed), use scale 1.0 instead, before computing the
-    zero point.
-    HINTS: `lo`, `hi` arrive as float32 arrays and `(qmin, qmax) = qrange(dtype, symmetric)` is already there;
-    stay in float32 (divide by `np.float32(...)`, not a Python float, or NumPy computes in float64); use `np.round`,
-    `np.minimum`/`np.maximum` and `np.where`, never Python `min`/`max`/`if` on arrays.
+    TODO: return `(scale, zero_point)` as NumPy arrays of the broadcast shape of `min_val` and `max_val` (0-d for
+    numbers), `scale` float32 and `zero_point` int32, by the three steps above, in float32 and element by element:
+    1) extend the range to contain 0;
+    2) asymmetric: s = (max - min) / (qmax - qmin) and z = clamp(qmin - round(min / s), qmin, qmax), round half to
+    even; symmetric: s = max(-min, max) / ((qmax - qmin) / 2) and z = 0, or 128 for 'uint8';
+    3) where s is 0 (a zero range) or below float32's smallest normal number (about 1.2e-38: it underflowed), s is
+    1.0, and z is computed with that s.
+    `lo` and `hi` arrive as float32 arrays (finite, lo <= hi) and `qmin, qmax` from `qrange(dtype, symmetric)`.
+    APPROACH: widen the range to include 0; compute the scale of the chosen scheme; replace the degenerate scales by
+    1; then the zero point (computed for asymmetric, a constant of the right shape for symmetric); return both in
+    their dtypes. Write every step so that it works on arrays of ranges, one per channel.
+    HINT: the inputs can be arrays (one range per channel): Python's `min`, `max` and `if` look at a whole array, not
+    at each element. Which NumPy functions give an element-wise minimum, maximum and choice?
+    HINT: print the dtype after each step: a float64 anywhere (a float64 array, or an `np.float64` value) rounds
+    differently from the float32 reference. Python numbers leave a float32 array float32; wrapping a constant in
+    `np.float32` makes sure.
+    HINT: try the degenerate ranges: what do you get for [0, 0] and for [-1e-40, 1e-40]? The smallest normal float32
+    is the `tiny` attribute of `np.finfo` for float32. A symmetric zero point must still have the broadcast shape
+    (`np.full` builds one).
     """
     qmin, qmax = qrange(dtype, symmetric)
     lo, hi = _check_range(min_val, max_val)
@@ -158,15 +167,19 @@ def _check_no_nan(x, name='x'):
 
 # %% ../../nbs/04a_quantization.ipynb #7b5b862e
 def quantize_per_tensor(x, scale, zero_point, dtype='int8'):
-    """Quantize `x` with one scale and zero point: `clip(round(x / scale) + zero_point, qmin, qmax)` as integers.
+    """Quantize `x` with one scale and zero point (the affine scheme), returning integers of `dtype`.
 
-    TODO: return the quantized array, of `x`'s shape, in the storage type of `dtype` (`np.int8` for 'int8' and
-    'int4', `np.uint8` for 'uint8').
-    APPROACH: divide by the scale, round half to even with `np.round`, add the zero point, clip to the FULL range
-    `[qmin, qmax]` of the type (-128..127 for int8, 0..255 for uint8, -8..7 for int4), and only then cast.
-    HINTS: `x` arrives as a float32 array, `scale` as a float32 0-d array, `zero_point` as a Python int, and
-    `qmin, qmax, np_dtype` are unpacked from `QUANT_DTYPES[dtype]` for you. Divide (`x / scale`), do not multiply
-    by a reciprocal: `x * (1 / scale)` rounds differently for some values.
+    TODO: return q = clamp(round(x / s) + z, qmin, qmax) of the affine scheme, of `x`'s shape, in the storage type of
+    `dtype` (`np.int8` for 'int8' and 'int4', `np.uint8` for 'uint8'). round is half to even; the clamp is to the full
+    range of the type (-128..127, 0..255, -8..7); divide by the scale (multiplying by its reciprocal rounds some
+    values differently). The checks compare exactly, with exact ties of both signs and values far outside the range.
+    `x` arrives as a float32 array, `scale` as a float32 0-d array, `zero_point` as a Python int, and `qmin, qmax,
+    np_dtype` are unpacked from `QUANT_DTYPES[dtype]` for you.
+    APPROACH: apply the formula in floating point, in the order it is written, and convert to the storage type only at
+    the very end.
+    HINT: what does `np.round` give for 2.5 and 3.5, and Python's `round`? Which one follows the rule of the lesson?
+    HINT: try converting `np.array([200.0, -300.0])` to `np.int8`: a cast does not saturate. So where must the clamp
+    happen?
     """
     qmin, qmax, np_dtype = QUANT_DTYPES[_check_dtype(dtype)]
     x = _check_no_nan(_as_float_array(x, 'x'))
@@ -201,14 +214,19 @@ def _qparams_like(shape, scale, zero_point, axis, zmin, zmax, what):
 
 # %% ../../nbs/04a_quantization.ipynb #578911a3
 def dequantize(q, scale, zero_point, axis=None):
-    """Real values of quantized integers: `(q - zero_point) * scale`, as float32.
+    """Real values of quantized integers, x_hat = (q - z) * s, as float32.
 
-    TODO: return the float32 array `(q - zero_point) * scale` of `q`'s shape.
-    APPROACH: widen `q` to int64 before subtracting the zero point (int8 arithmetic would overflow: 127 - (-128)),
-    convert the difference to float32, multiply by the float32 scale.
-    HINTS: the checks give you `scale` (float32) and `zero_point` (int32) already shaped to broadcast against `q`:
-    0-d for per-tensor, or with the channel dimension along `axis` (e.g. (C, 1, 1, 1) for axis=0 of a 4-D
-    weight), so one line handles both. The result must be float32, not float64.
+    TODO: return the float32 array x_hat = (q - z) * s of `q`'s shape (the lesson's dequantization). `q` arrives as an
+    integer array (int8 or uint8 in the checks, extreme values included); `scale` (float32) and `zero_point` (int32)
+    arrive already shaped to broadcast against `q`: 0-d per tensor, or one value per slice along `axis` (e.g. (C, 1,
+    1, 1) for axis 0 of a 4-D weight), so the same code serves both. q - z must not overflow (127 - (-128) does not
+    fit in int8), and the result must be float32, not float64 (the checks test the dtype).
+    APPROACH: do the subtraction in an integer type wide enough for any q and z, and get to float32 before the scale
+    comes in.
+    HINT: in which dtype does NumPy subtract two integer arrays? Print a few `.dtype`s, and ask whether that type can
+    hold 255 or -255.
+    HINT: an int32 or int64 array times a float32 array gives float64: which conversion, done before the
+    multiplication, keeps the product float32?
     """
     q = _check_int_array(q)
     scale, zero_point = _qparams_like(q.shape, scale, zero_point, axis, *_int_limits(q.dtype), f"the type of q ({q.dtype})")
@@ -246,12 +264,15 @@ def sqnr(x, x_hat) -> float:
 def per_channel_qparams(w, axis=0, dtype='int8', symmetric=True):
     """Scales and zero points of `w`, one per slice along `axis` (arrays of length `w.shape[axis]`).
 
-    TODO: return `calculate_qparams(mins, maxs, dtype, symmetric)` where `mins[c]`/`maxs[c]` are the minimum and
-    maximum of `w` over every axis except `axis`, for slice `c`.
-    APPROACH: build the tuple of the other axes and reduce `w` over them with `.min(axis=...)` and `.max(axis=...)`;
-    `calculate_qparams` (exercise 04.1) works elementwise, so it gives one scale and zero point per channel.
-    HINTS: `w` arrives as a finite float32 array and `axis` as a non-negative int; for a 1-D `w` the tuple of the
-    other axes is empty and each element is its own channel.
+    TODO: return `(scale, zero_point)`, arrays of length w.shape[axis] (float32 and int32): for each channel c, what
+    `calculate_qparams` (exercise 04.1) gives for the range [min, max] of slice c, the values of `w` at index c of
+    `axis` (so the min and max run over all the other axes), with `dtype` and `symmetric` passed on. `w` arrives as a
+    finite, non-empty float32 array and `axis` as a non-negative int; for a 1-D `w` each element is its own channel.
+    APPROACH: reduce `w` to one minimum and one maximum per channel, then hand the two arrays to `calculate_qparams`,
+    which works element by element.
+    HINT: `.min` and `.max` accept a tuple of axes: which axes must you reduce over to keep one value per index of
+    `axis`?
+    HINT: for a 1-D `w` that tuple is empty: what does a reduction over no axes return? Try it.
     """
     w = _check_finite(_as_float_array(w, 'w'), 'w')
     axis = _check_axis(axis, w.ndim)
@@ -278,16 +299,24 @@ def _check_real_multiplier(real_multiplier):
 
 # %% ../../nbs/04a_quantization.ipynb #40a38f97
 def quantize_multiplier(real_multiplier):
-    """`(multiplier, shift)` int32 arrays with `real_multiplier ~ multiplier * 2**(shift - 31)`, as TFLite's `QuantizeMultiplier`.
+    """`(multiplier, shift)` int32 arrays with `real_multiplier ~ multiplier * 2**(shift - 31)`, as TFLite's
+    `QuantizeMultiplier`.
 
-    TODO: for each value, `mant, exp = frexp(real)` (mant in [0.5, 1)); `q = round(mant * 2**31)` rounding halves
-    away from zero (C++ std::round); if `q == 2**31`: `q //= 2`, `exp += 1`; if `exp < -31`: `q, exp = 0, 0`; if
-    `exp > 30`: `q, exp = 2**31 - 1, 30`. Return `(q, exp)` as int32 arrays of the input's shape.
-    APPROACH: vectorise: `np.frexp` works on arrays; do the rounding in float64 and convert to int64; apply each
-    corner case with `np.where`.
-    HINTS: `real_multiplier` arrives as a float64 array, finite and >= 0 (0 gives frexp (0, 0), which is already the
-    right answer); for x >= 0, rounding half away from zero is `np.floor(x + 0.5)` (np.round would round half to
-    even); `mant * 2**31` is exact in float64.
+    TODO: for each value M, as the lesson describes: M = m * 2**e with m in [0.5, 1) (frexp); M0 = round(m * 2**31)
+    with halves rounded away from zero (C++ `std::round`), and shift = e; then the corner cases, in this order:
+    1) M0 = 2**31 becomes 2**30, with shift + 1; 2) shift < -31 gives (0, 0); 3) shift > 30 gives (2**31 - 1, 30).
+    Return `(M0, shift)` as int32 arrays of the input's shape. The checks compare exactly, with exact ties, carries,
+    and multipliers far too small or too large. `real_multiplier` arrives as a float64 array, finite and >= 0 (0 must
+    give (0, 0)).
+    APPROACH: work on whole arrays: split every value into mantissa and exponent, round the scaled mantissa in float64
+    and convert it to a 64-bit integer, then apply each corner case to the elements it concerns, in the order above,
+    and only then convert to int32.
+    HINT: `np.frexp` works element-wise and returns two arrays. Is m * 2**31 exact in float64? (How many bits does a
+    float64 mantissa have?)
+    HINT: `np.round` rounds halves to even: compare it with the rule you need on 0.5, 1.5 and 2.5. For x >= 0,
+    rounding half away from zero can be done with `np.floor` of a slightly different number.
+    HINT: `np.where(condition, new, old)` changes only the elements where the condition holds; apply each corner case
+    to both arrays with the same condition. 2**31 does not fit in int32: stay in int64 until the end.
     """
     m = _check_real_multiplier(real_multiplier)
     ### BEGIN SOLUTION
@@ -328,15 +357,24 @@ def _check_mbqm_args(acc, multiplier, shift):
 def multiply_by_quantized_multiplier(acc, multiplier, shift):
     """`round(acc * M)` in integers, bit-exact with TFLite's `MultiplyByQuantizedMultiplier` (int32 result).
 
-    TODO: with `left = max(shift, 0)` and `right = max(-shift, 0)`: `a = acc * 2**left` wrapped to int32;
-    `SRDHM(a, multiplier) = (a*multiplier + nudge) / 2**31` truncated toward zero, nudge `2**30` if
-    `a*multiplier >= 0` else `1 - 2**30` (and `2**31 - 1` when `a == multiplier == -2**31`); then divide by
-    `2**right` rounding to nearest with ties away from zero: `(x >> right) + (x & mask > (mask >> 1) + (x < 0))`
-    with `mask = 2**right - 1`. Return int32.
-    APPROACH: everything in int64 NumPy arrays, elementwise; `np.where` for the sign-dependent choices.
-    HINTS: `acc`, `multiplier`, `shift` arrive as int64 arrays broadcast to one shape; wrap to int32 with
-    `.astype(np.int32)` (then back to int64); NumPy's `//` and `>>` round toward minus infinity, C++'s `/`
-    toward zero: for a negative `n`, `-((-n) >> 31)`; `>>` of a negative int64 is arithmetic, like C++'s.
+    TODO: the lesson's three integer steps, element by element, bit-exact (the checks compare exactly):
+    1) a = acc * 2**left with left = max(shift, 0), wrapped to int32 on overflow as C++ does;
+    2) SRDHM(a, multiplier) = (a * multiplier + nudge) / 2**31, the division truncating toward zero, with nudge 2**30
+    if a * multiplier >= 0, else 1 - 2**30; the one overflow (a = multiplier = -2**31) saturates to 2**31 - 1;
+    3) divide the result of 2) by 2**right with right = max(-shift, 0), rounding to nearest with ties away from zero
+    (2.5 gives 3, -2.5 gives -3), in integers only.
+    Return an int32 array of the broadcast shape. `acc`, `multiplier` and `shift` arrive as int64 arrays broadcast to
+    one shape, each within int32 (shift in [-31, 30]).
+    APPROACH: stay in int64 NumPy arrays throughout (a product of two int32 values fits) and do the three steps in
+    order on whole arrays, choosing the sign-dependent constants element by element; cast to int32 at the end.
+    HINT: NumPy's `//` and `>>` round toward minus infinity, C++'s `/` toward zero: they differ only for negative
+    numerators. Compare -7 // 2 with the truncated -3.5: how do you get truncation from floor division and the sign?
+    HINT: wrapping to int32 is a cast: see what `np.int64(2**31 + 5)` becomes as `np.int32`, then go back to int64 for
+    the arithmetic. `>>` of a negative int64 is arithmetic (it keeps the sign), like C++'s.
+    HINT: for step 3, x >> right is the floor of x / 2**right, and the bits the shift drops are the remainder (never
+    negative, even for a negative x): which bitwise and, with which mask, keeps exactly those bits? Compare the
+    remainder with half the divisor: when must you add 1 to the floor? At exactly half, where must a positive x go,
+    and where has the floor already taken a negative one? Check right = 0 too.
     """
     acc, multiplier, shift = _check_mbqm_args(acc, multiplier, shift)
     ### BEGIN SOLUTION
@@ -364,14 +402,20 @@ def _check_qbounds(qmin, qmax):
 def fake_quantize(x, scale, zero_point, qmin, qmax, axis=None) -> Tensor:
     """Quantize-dequantize `x` in float32 (a Tensor), with the straight-through estimator as its gradient.
 
-    TODO: forward `(clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale` as float32; backward:
-    the incoming gradient where `qmin <= round(x / scale) + zero_point <= qmax`, and 0 where it was clamped.
-    APPROACH: compute the unclamped integers `round(xf / scale) + zero_point` once, keep the boolean mask of the
-    inside values, build the output, then return `Tensor.from_op(out, (x,), backward, op='fake_quantize')`
-    where `backward(grad)` returns a 1-tuple: `(grad * mask,)`.
-    HINTS: `x` is already a Tensor and `xf` its data as float32; `scale` (float32) and `zero_point` (int32) are
-    shaped to broadcast (per channel along `axis` when arrays); round with `np.round` (half to even) so the result
-    matches `dequantize(quantize_per_tensor(...))` bit for bit; cast the output to float32.
+    TODO: return a Tensor, the lesson's autograd op. Forward: x_tilde = (clamp(round(x / s) + z, qmin, qmax) - z) * s
+    as float32, bit-identical to `dequantize(quantize_per_tensor(...))` (round half to even, divide by the scale).
+    Backward (the straight-through estimator): the incoming gradient where qmin <= round(x / s) + z <= qmax, and 0
+    where the value was clamped. `x` is already a Tensor and `xf` its data as float32; `scale` (float32) and
+    `zero_point` (int32) arrive shaped to broadcast against it (per channel along `axis` when they are arrays); `qmin`
+    and `qmax` are ints.
+    APPROACH: compute the unclamped integers once; from them, the mask of the values inside the range and the forward
+    output; then make the output Tensor with `Tensor.from_op`, giving it a backward function that applies the mask to
+    the incoming gradient.
+    HINT: look at how 01a builds an op with `Tensor.from_op`: which arguments does it take, and what must the backward
+    function return (one gradient per input, as a tuple)?
+    HINT: the mask is known in the forward pass: compute it there and let the backward function use it (a closure)
+    instead of recomputing it.
+    HINT: the output must be float32: check the dtype of the dequantized values and cast at the end.
     """
     x = as_tensor(x)
     qmin, qmax = _check_qbounds(qmin, qmax)
@@ -414,14 +458,18 @@ def _check_fold(conv, bn):
 def fold_batchnorm(conv, bn) -> Conv2d:
     """A new Conv2d (same geometry, with a bias) equal to `bn(conv(x))` with `bn` in eval mode.
 
-    TODO: with `factor = gamma / sqrt(var + eps)` per output channel, set the new weight to `w * factor` (each output
-    channel c of w scaled by factor[c]) and the new bias to `(b - mean) * factor + beta`, both float32, and return
-    `fused`.
-    APPROACH: `fused` (a new Conv2d with the right geometry and a bias) and float64 copies `w` (Cout, Cin/groups,
-    kh, kw), `b`, `mean`, `var`, `gamma`, `beta` (each (Cout,)) and the float `eps` are ready; reshape `factor` to
-    (Cout, 1, 1, 1) to scale `w`; write the results into `fused.weight.data` and `fused.bias.data`.
-    HINTS: `b` is zeros when the conv has no bias, `gamma`/`beta` ones/zeros when the BatchNorm is not affine;
-    compute in float64 and cast to float32 at the end; do not modify `conv` or `bn`.
+    TODO: return `fused` with the folded weight and bias of the lesson, W'_c = W_c * gamma_c / sqrt(var_c + eps)
+    (every output channel c of the weight scaled by its factor) and b'_c = (b_c - mean_c) * gamma_c / sqrt(var_c +
+    eps) + beta_c, both float32, written into `fused.weight.data` and `fused.bias.data`. Ready for you: `fused` (a new
+    Conv2d of the same geometry, with a bias), float64 copies `w` (Cout, Cin/groups, kh, kw), `b`, `mean`, `var`,
+    `gamma`, `beta` (each (Cout,); `b` is zeros when the conv has no bias, `gamma`/`beta` ones/zeros when the
+    BatchNorm is not affine) and the float `eps`. `conv` and `bn` must not change (a check looks).
+    APPROACH: compute the per-channel factor once, in float64; scale the weight by it channel by channel and form the
+    new bias; cast both to float32 as you store them.
+    HINT: `w` is (Cout, Cin/groups, kh, kw) and the factor (Cout,): broadcasting aligns shapes from the right, so
+    multiplying them as they are pairs the factor with kw (or fails). What shape must the factor take?
+    HINT: cast only at the end: rounding to float32 before the multiplication adds an error the reference does not
+    have.
     """
     _check_fold(conv, bn)
     fused = _conv_like(conv)
@@ -464,12 +512,17 @@ def _check_packed(packed, n):
 def pack_int4(q) -> np.ndarray:
     """Pack int4 values (integers in [-8, 7]) two per byte: a flat np.uint8 array of length ceil(n / 2).
 
-    TODO: value 2k goes to the low nibble (bits 0-3) of byte k, value 2k+1 to its high nibble (bits 4-7), each as
-    its 4-bit two's-complement pattern (the value & 0xF); if the count is odd, pad with one 0 first.
-    APPROACH: take the 4-bit patterns of all values with `& 0x0F`, then combine the even-indexed and the
-    odd-indexed ones with a shift and a bitwise or.
-    HINTS: `q` arrives flat, as int16 values checked to be in [-8, 7]; `-1 & 0x0F == 15`; use `np.append` or
-    `np.concatenate` for the padding; return `.astype(np.uint8)`.
+    TODO: return a flat `np.uint8` array of length ceil(n / 2): value 2k goes to the low nibble (bits 0-3) of byte k
+    and value 2k+1 to its high nibble (bits 4-7), each as its 4-bit two's-complement pattern (-1 -> 0b1111, -8 ->
+    0b1000); an odd count is padded with one 0 at the end. The checks compare exactly. `q` arrives flat, as int16
+    values checked to be in [-8, 7].
+    APPROACH: pad to an even count; turn every value into its 4-bit pattern; combine each even-indexed pattern with
+    the odd-indexed one after it into one byte.
+    HINT: what are the low 4 bits of -1 in two's complement? Which bitwise operation keeps only the low 4 bits of an
+    integer?
+    HINT: slicing with a step of 2 separates the even-indexed and the odd-indexed values; a left shift moves a pattern
+    into the high nibble, and a bitwise or puts two nibbles in one byte.
+    HINT: test on [-8, 7]: the single byte must be 0x78 (120). And on [1]: 0x01.
     """
     q = _check_int4_values(q)
     ### BEGIN SOLUTION
@@ -482,12 +535,17 @@ def pack_int4(q) -> np.ndarray:
 def unpack_int4(packed, n) -> np.ndarray:
     """The first `n` int4 values packed by `pack_int4`, sign-extended, as a flat np.int8 array.
 
-    TODO: byte k holds value 2k in its low nibble and value 2k+1 in its high nibble; a nibble v stands for v if
-    v < 8 and v - 16 otherwise. Return the first `n` values as np.int8.
-    APPROACH: split every byte into its low (`& 0x0F`) and high (`>> 4`) nibble, interleave them (stack along a new
-    last axis and flatten), keep the first `n`, sign-extend.
-    HINTS: `packed` arrives as a flat np.uint8 array and `n` as an int checked to fit; do the arithmetic in a
-    signed type (`.astype(np.int16)`) before subtracting 16, then cast to np.int8.
+    TODO: return the first `n` values as a flat `np.int8` array: byte k holds value 2k in its low nibble and value
+    2k+1 in its high nibble; a nibble v stands for v if v < 8 and for v - 16 otherwise (sign extension). `packed`
+    arrives as a flat `np.uint8` array and `n` as an int checked to fit (the checks use n = 2 * len(packed) and one
+    less). The checks compare exactly.
+    APPROACH: take the low and the high nibble of every byte, interleave them into one sequence in the original order,
+    keep the first `n`, and sign-extend.
+    HINT: the low nibble is the byte with its high 4 bits masked off; the high nibble is what a right shift by 4
+    leaves. How do you interleave two arrays a and b into a0, b0, a1, b1, ...? (Think of them as the two columns of a
+    table, read row by row.)
+    HINT: in uint8, v - 16 wraps around instead of going negative: do the sign extension in a wider signed type, then
+    convert to `np.int8`.
     """
     packed, n = _check_packed(packed, n)
     ### BEGIN SOLUTION

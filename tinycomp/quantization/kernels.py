@@ -47,15 +47,18 @@ def _check_zero_point(zp, dtype, name):
 
 # %% ../../nbs/04c_int8_kernels.ipynb #0bdf2c6c
 def int8_matmul(w_q, x_q, x_zero_point, bias=None):
-    """Integer matrix product with a zero point: `w_q @ (x_q - x_zero_point) + bias[:, None]`, accumulated in int32.
+    """Integer matrix product of int8 weights and int8/uint8 activations with a zero point, accumulated in int32.
 
-    TODO: `w_q` (M, K) int8 (symmetric weights, zero point 0), `x_q` (K, N) int8 or uint8 with zero point
-    `x_zero_point`, `bias` None or (M,) int32. Return an int32 array (M, N).
-    APPROACH: 1) widen both operands to int32 (`astype(np.int32)`), so products and sums do not wrap in int8;
-    2) subtract the zero point from the activations; 3) matrix product; 4) add the bias as a column (one value
-    per row m), if there is one.
-    HINTS: `np.int8(100) * np.int8(2)` wraps to -56: never multiply the int8 arrays themselves; the result dtype
-    must be int32 (not int64); the argument checks (shapes, dtypes, the overflow bound) are already written.
+    TODO: return the int32 array (M, N) whose entry (m, n) is the sum over k of w_q[m, k] * (x_q[k, n] -
+    x_zero_point), plus bias[m] when `bias` is given, exactly. `w_q` (M, K) is int8 (symmetric weights, zero point 0),
+    `x_q` (K, N) int8 or uint8 with the zero point `x_zero_point` (an int), `bias` None or (M,) int32. The result
+    dtype must be int32, not int64 (the checks test it). The argument checks (shapes, dtypes, the overflow bound) are
+    already written.
+    APPROACH: bring both operands into an integer type where products and sums cannot wrap, subtract the zero point
+    from the activations, take the matrix product, and add the bias to every column.
+    HINT: what is `np.int8(100) * np.int8(2)`? What dtype does a product of two int8 arrays have?
+    HINT: a matrix product of int32 arrays is int32, of int64 arrays int64. The bias has one value per row m: which
+    shape makes it broadcast along the columns of (M, N)?
     """
     w_q, x_q = _int_array(w_q, 'w_q', 2), _int_array(x_q, 'x_q', 2)
     if w_q.dtype != np.int8: raise TinycompError(f"w_q must be int8 (symmetric weights), got {w_q.dtype}")
@@ -99,14 +102,16 @@ def _check_requant_args(multiplier, shift, rows, out_zero_point, qmin, qmax, dty
 def requantize(acc, multiplier, shift, out_zero_point, qmin=-128, qmax=127, dtype='int8'):
     """int32 accumulators (M, N) to int8/uint8 with one fixed-point multiplier per row (output channel).
 
-    TODO: return `clamp(multiply_by_quantized_multiplier(acc, multiplier[m], shift[m]) + out_zero_point, qmin, qmax)`
-    for every row m, as an array of `dtype` ('int8' -> np.int8, 'uint8' -> np.uint8) with the shape of `acc`.
-    APPROACH: 1) make the per-row multiplier and shift columns (shape (M, 1)) so they broadcast against (M, N);
-    2) `multiply_by_quantized_multiplier` (part a); 3) add the zero point; 4) `np.clip` to [qmin, qmax];
-    5) cast to the output dtype.
-    HINTS: add the zero point before the clamp, not after; a fused ReLU is just qmin = out_zero_point, nothing
-    else to do; the checks (dtype, ranges, shapes) are written for you and give `mult`, `sh`, `zp`, `qmin`,
-    `qmax` and the NumPy dtype `dt`.
+    TODO: return, for every row m (an output channel), clamp(multiply_by_quantized_multiplier(acc[m], multiplier[m],
+    shift[m]) + out_zero_point, qmin, qmax), as an array of `dtype` ('int8' -> `np.int8`, 'uint8' -> `np.uint8`) with
+    the shape of `acc`, exactly. A fused ReLU is just qmin = out_zero_point. The argument checks at the top of the
+    function give you `mult` and `sh` (int64, one per row), `zp`, `qmin`, `qmax` and the NumPy dtype `dt`.
+    APPROACH: apply your `multiply_by_quantized_multiplier` (exercise 04.6) to the whole matrix at once, with the
+    per-row multipliers and shifts shaped to broadcast over the columns; then add the zero point, clamp, and cast.
+    HINT: `mult` has shape (M,) and `acc` (M, N): broadcasting aligns shapes from the right, so (M,) would pair with
+    the columns. Which shape gives one value per row?
+    HINT: add the zero point before the clamp, in a type wide enough (the sum can leave the output range: that is what
+    the clamp is for), and convert to `dt` last.
     """
     acc = _int_array(acc, 'acc', 2)
     mult, sh, zp, qmin, qmax, dt = _check_requant_args(multiplier, shift, acc.shape[0], out_zero_point, qmin, qmax, dtype)

@@ -113,13 +113,19 @@ class PerChannelMinMaxObserver(Observer):
 def mse_range(x, dtype='int8', symmetric=False, grid=100):
     """The clipping range `(lo, hi)` of `x` that minimises the mean squared quantization error.
 
-    TODO: with `mn = min(x.min(), 0)` and `mx = max(x.max(), 0)`, try `(lo, hi) = (mn * a, mx * a)` for each `a` in
-    `np.linspace(1 / grid, 1, grid)`; for each, get `(s, z) = calculate_qparams(lo, hi, dtype, symmetric)`,
-    `x_hat = dequantize(quantize_per_tensor(x, s, z, dtype), s, z)` and the MSE `mean((x_hat - x)**2)` (in float64).
-    Return the `(lo, hi)` with the smallest MSE as two Python floats; on a tie, the widest (largest `a`).
-    APPROACH: loop over the `grid` candidates, keep the MSEs in a list, and find the last index of the minimum.
-    HINTS: `x` arrives as a finite float32 array; `float(...)` turns NumPy numbers into Python floats; for the last
-    minimum, `len(m) - 1 - np.argmin(m[::-1])`, since `np.argmin` returns the first.
+    TODO: return `(lo, hi)` as two Python floats: the candidate range with the smallest quantize-dequantize MSE. With
+    mn = min(min of x, 0) and mx = max(max of x, 0), the candidates are (mn * a, mx * a) for the `grid` values a =
+    1/grid, 2/grid, ..., 1 (as `np.linspace` spaces them); for each, (s, z) are the qparams `calculate_qparams` gives
+    for that range (with `dtype` and `symmetric`), x_hat is x quantized with them by `quantize_per_tensor` and
+    dequantized by `dequantize`, and the MSE is the mean of (x_hat - x)**2 computed in float64. On a tie keep the
+    widest range (the largest a). `x` arrives as a finite, non-empty float32 array; `dtype`, `symmetric` and `grid` (a
+    positive int) are checked for you.
+    APPROACH: compute the extended range once; for each candidate a, quantize and dequantize with your exercises of
+    part a and record the error; then pick the candidate with the least error, the last one among equals.
+    HINT: converting mn and mx to Python floats keeps the candidate ranges in float64, as the reference computes them;
+    and convert x_hat to float64 before taking the error.
+    HINT: `np.argmin` returns the first index of the minimum, but a tie must go to the largest a: how do you find the
+    last one (think of reversing the list, or of comparing with <= while you loop)?
     """
     x = _check_finite(_as_float_array(x, 'x'), 'x')
     if x.size == 0: raise ShapeError("mse_range: x is empty; pass at least one value")
