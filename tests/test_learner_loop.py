@@ -195,3 +195,11 @@ def test_the_capstone_compresses_with_the_learners_own_code(tmp_path, monkeypatc
     half = {**solved, '06': ROOT / 'modules' / '06_distillation'}           # module 06 not done yet
     r = capstone(folders=half, epochs=1)
     assert r.yours == ['prune', 'quantize'] and 'kd_loss' in r.steps[1].why and r.steps[1].ran == 'the reference'
+
+
+def test_release_refuses_a_docstring_that_gives_solution_code():
+    from tinycomp.course.release import solution_in_help
+    doc = "Column sums.\n\nTODO: return the sums.\nAPPROACH: reduce.\nHINT: think of a ufunc.\nHINT: `np.add.reduce(x, axis=0)`"
+    assert solution_in_help(doc, "    return np.add.reduce(x, axis = 0)") == 'np.add.reduce(x, axis=0)'
+    assert solution_in_help(doc.replace('(x, axis=0)', ''), "    return np.add.reduce(x, axis=0)") is None   # a name is fine
+    assert exercise_help(doc)['hints'] == ['think of a ufunc.', '`np.add.reduce(x, axis=0)`']

@@ -147,7 +147,7 @@ def _run_batch(ns, i, memory_of):
     return {'result': np.array(results), 'raised': np.array(raised)}
 
 # %% ../../nbs/checks/03_profiling.ipynb #d4f3f63e
-MODULE = ModuleSpec('03', 'profiling', reference=('tinycomp.profiling.timing', 'tinycomp.profiling.counting', 'tinycomp.profiling.hardware'), checks=[
+MODULE = ModuleSpec('03', 'profiling', decode={'bias': bool}, reference=('tinycomp.profiling.timing', 'tinycomp.profiling.counting', 'tinycomp.profiling.hardware'), checks=[
     Check('latency_stats', 'typical', 1, _times_inputs('typical'), _run_stats, rtol=1e-9, atol=0),
     Check('latency_stats', 'outliers', 1, _times_inputs('outliers'), _run_stats, rtol=1e-9, atol=0),
     Check('latency_stats', 'few_even', 1, _times_inputs('few'), _run_stats, rtol=1e-9, atol=0),

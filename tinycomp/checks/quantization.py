@@ -13,7 +13,8 @@ from ..course.spec import Check, ModuleSpec, arr, f32
 _DTYPES = ('int8', 'uint8', 'int4')
 _RANGES = {'int8': (-128, 127), 'uint8': (0, 255), 'int4': (-8, 7)}
 # how the checks store what the exercises take: a dtype's index, a flag as 0/1, axis None as -1
-_DECODE = {'dtype': lambda a: _DTYPES[int(a)], 'symmetric': lambda a: bool(a), 'axis': lambda a: None if int(a) < 0 else int(a)}
+_DECODE = {'dtype': lambda a: _DTYPES[int(a)], 'symmetric': bool, 'has_bias': bool, 'affine': bool,
+           'axis': lambda a: None if int(a) < 0 else int(a)}
 
 # %% ../../nbs/checks/04_quantization.ipynb #e4f41283
 def _ranges(rng):

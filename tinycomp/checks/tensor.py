@@ -187,7 +187,7 @@ def _run_adam(ns, i):
 _SET_ASIDE = {'log_softmax_forward': ('_softmax',), 'log_softmax_backward': ('_softmax', '_backward'),
               **{e: ('_backward',) for e in ('add_backward', 'mul_backward', 'matmul_backward', 'relu_backward')}}
 
-MODULE = ModuleSpec('01', 'tensor', reference=('tinycomp.tensor', 'tinycomp.nn.functional', 'tinycomp.nn.modules', 'tinycomp.optim'),
+MODULE = ModuleSpec('01', 'tensor', decode={'bias': bool, 'nesterov': bool}, reference=('tinycomp.tensor', 'tinycomp.nn.functional', 'tinycomp.nn.modules', 'tinycomp.optim'),
                     set_aside=_SET_ASIDE, checks=[
     Check('unbroadcast', 'same_shape', 0.5, _unbroadcast_inputs('same'), _run_unbroadcast),
     Check('unbroadcast', 'leading_axes', 1, _unbroadcast_inputs('leading'), _run_unbroadcast),

@@ -215,7 +215,8 @@ def _detail(check, inputs, expected, failure) -> str:
     """A failing case spelled out: every input (small arrays in full), the first wrong entry with the inputs at the same
     index (for an elementwise exercise), the outputs in full or around that entry, and the check's own explanation."""
     api = check.api_inputs(inputs)
-    lines = ['inputs: ' + ', '.join(f"{k}={show_value(v)}" for k, v in api.items())]
+    small = any(isinstance(v, np.ndarray) and v.size <= SMALL for v in api.values())    # else the line above says it all
+    lines = ['inputs: ' + ', '.join(f"{k}={show_value(v)}" for k, v in api.items())] if small else []
     k, idx, got = failure.get('output'), failure.get('index'), failure.get('got')
     if k is None or k not in expected: return '\n'.join(lines)
     exp = expected[k]
