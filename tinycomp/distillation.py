@@ -34,10 +34,17 @@ def _check_alpha(alpha):
 def softmax_with_temperature(logits, T) -> Tensor:
     """Softmax of `logits / T` along the last axis, as a Tensor (differentiable).
 
-    TODO: return the probabilities `softmax(logits / T)` computed along the last axis.
-    APPROACH: divide the Tensor by `T`, then apply the softmax of module 01 (`Tensor.softmax(axis=-1)`), which
-    subtracts the row maximum first, so large logits (1e4) do not overflow.
-    HINTS: `logits` arrives as a Tensor and `T` is already checked to be > 0; use Tensor ops only so autograd works.
+    TODO: `logits` arrives as a Tensor and `T` as a checked number > 0. Return a Tensor of the same shape holding, along
+    the last axis, the probabilities exp(z_i / T) / sum_j exp(z_j / T). Gradients must flow back to `logits`, and
+    logits as large as 1e4 must not overflow.
+    APPROACH: scale the logits by the temperature, then reuse the softmax that module 01's Tensor provides, on the last
+    axis.
+    HINT: what does a large T do to the differences between the logits, and so to the probabilities? The scaling is
+    the only new step.
+    HINT: stay with Tensor operations (dividing a Tensor by a number is one) so that autograd records every step; a
+    detour through NumPy arrays would cut the graph.
+    HINT: module 01's `Tensor.softmax` takes an `axis` and already subtracts the row maximum, which is what keeps 1e4
+    from overflowing.
     """
     logits = as_tensor(logits)
     _check_temperature(T)
@@ -64,13 +71,21 @@ def _check_kd_inputs(student_logits, teacher_logits, T, alpha):
 def kd_loss(student_logits, teacher_logits, targets, T=4.0, alpha=0.5) -> Tensor:
     """Distillation loss `alpha * CE(student, targets) + (1 - alpha) * T**2 * KL(p_teacher || q_student)`, a scalar Tensor.
 
-    TODO: with `p_t = softmax(teacher_logits / T)` (a constant) and `log q = log_softmax(student_logits / T)`,
-    compute `KL = sum(p_t * (log p_t - log q)) / N` (sum over batch and classes; N the batch size, PyTorch's
-    `reduction='batchmean'`), and return `alpha * cross_entropy(student_logits, targets) + (1 - alpha) * T**2 * KL`.
-    APPROACH: take the teacher's *data* (`teacher_logits.detach()`), so no gradient can reach the teacher; use Tensor
-    ops (`/`, `.softmax`, `.log_softmax`, `*`, `-`, `.sum()`) for everything that touches the student.
-    HINTS: both logits arrive as Tensors of the same shape (N, C), `T > 0` and `0 <= alpha <= 1` already checked;
-    take `log p_t` from `log_softmax` too (a `log` of a softmax that underflowed to 0 gives nan); keep the `T**2`.
+    TODO: both logits arrive as Tensors of the same shape (N, C), `targets` holds the class indices, and `T > 0`,
+    `0 <= alpha <= 1` are checked. With p_t = softmax(z_t / T), a constant (no gradient may reach the teacher's
+    logits), and q = softmax(z_s / T), KL is the sum over batch and classes of p_t * (log p_t - log q), divided by the
+    batch size N (PyTorch's reduction='batchmean'). Return alpha * cross_entropy(z_s, targets) + (1 - alpha) * T**2 * KL
+    as a scalar Tensor that differentiates with respect to the student's logits; alpha = 0 and alpha = 1 are checked
+    too.
+    APPROACH: take the teacher off the graph first; form its softened probabilities and log-probabilities and the
+    student's softened log-probabilities; combine them into the KL term with Tensor ops; add module 01's
+    cross-entropy on the hard labels.
+    HINT: which Tensor method returns the data as a Tensor that autograd does not follow? The checks verify that the
+    teacher's logits receive no gradient.
+    HINT: take log p_t from `log_softmax`, not from the `log` of a softmax: a probability can underflow to 0, and
+    log 0 = -inf turns the loss into nan.
+    HINT: the cross-entropy uses the student's raw logits (no temperature); only the KL term is softened, and it keeps
+    its factor T**2.
     """
     student_logits, teacher_logits = _check_kd_inputs(student_logits, teacher_logits, T, alpha)
     ### BEGIN SOLUTION
@@ -86,10 +101,16 @@ def kd_loss(student_logits, teacher_logits, targets, T=4.0, alpha=0.5) -> Tensor
 def kd_loss_grad(student_logits, teacher_logits, targets, T=4.0, alpha=0.5) -> np.ndarray:
     """Gradient of `kd_loss` with respect to the student logits, in plain NumPy (float64 array of shape (N, C)).
 
-    TODO: return `alpha * (softmax(z_s) - onehot(targets)) / N + (1 - alpha) * T * (softmax(z_s / T) - softmax(z_t / T)) / N`.
-    APPROACH: `zs`, `zt` arrive as float64 arrays of shape (N, C) and `targets` as an integer array (N,); write a
-    row-wise softmax (subtract each row's max before `np.exp`), build the one-hot matrix, combine.
-    HINTS: note the factor is `T`, not `T**2`: the chain rule through `z_s / T` used up one `T`; no autograd here.
+    TODO: `zs`, `zt` arrive as float64 arrays of shape (N, C) and `targets` as a checked integer array (N,). Return
+    the float64 (N, C) gradient derived above: alpha / N * (p - e_y) + (1 - alpha) * T / N * (q - p_t), with
+    p = softmax(z_s), q = softmax(z_s / T), p_t = softmax(z_t / T) taken row by row and e_y the one-hot rows of the
+    targets. The softmaxes must not overflow for large logits. No autograd here.
+    APPROACH: write a small row-wise softmax in NumPy, build the one-hot matrix of the targets, and combine the two
+    terms as the formula says.
+    HINT: why is the factor T and not T**2? Differentiating through z_s / T brings out a 1/T that cancels one T.
+    HINT: a stable softmax subtracts each row's maximum before `np.exp`; the `keepdims` argument keeps the reductions
+    broadcastable against the rows.
+    HINT: the one-hot matrix is the identity matrix (`np.eye`) with its rows picked by `targets`.
     """
     s, t = _check_kd_inputs(student_logits, teacher_logits, T, alpha)
     targets = _check_labels(s, targets)
@@ -129,11 +150,14 @@ def _check_hint_inputs(student_feat, teacher_feat, regressor):
 def hint_loss(student_feat, teacher_feat, regressor) -> Tensor:
     """FitNets hint loss: mean squared error between `regressor(student_feat)` and the (constant) teacher features.
 
-    TODO: return `mse_loss(regressor(student_feat), teacher_feat)` with mean reduction, as a scalar Tensor, where the
-    teacher's features carry no gradient.
-    APPROACH: apply the regressor (a 1x1 Conv2d, a Module: call it) to the student features; compare with the
-    teacher features' data (`.detach()`), so only the student and the regressor learn.
-    HINTS: shapes and channel counts arrive checked; `mse_loss` (module 01) averages over every entry.
+    TODO: the features arrive as checked Tensors (N, C_s, H, W) and (N, C_t, H, W), and `regressor` is a Module (a 1x1
+    Conv2d from C_s to C_t channels). Return, as a scalar Tensor, the mean over every entry of (r - t)**2, with r the
+    regressor's output on the student features and t the teacher features. Gradients reach the student features and
+    the regressor's weight and bias; none reaches the teacher features.
+    APPROACH: run the student features through the regressor, take the teacher features off the graph, and compare the
+    two with module 01's mean squared error.
+    HINT: a Module is called like a function; its parameters then take part in the graph and receive gradients.
+    HINT: `mse_loss` (module 01) averages over every entry; `detach` gives the teacher's data as a constant.
     """
     student_feat, teacher_feat = _check_hint_inputs(student_feat, teacher_feat, regressor)
     ### BEGIN SOLUTION
@@ -153,12 +177,18 @@ def _check_relation_inputs(student_feat, teacher_feat):
 def relation_loss(student_feat, teacher_feat) -> Tensor:
     """Similarity-preserving KD loss: `sum((G_s - G_t)**2) / N**2` between row-normalised batch Gram matrices.
 
-    TODO: for each side, `F = feat.reshape(N, -1)`, `G = F @ F.T` (N x N), and divide each row of G by its L2 norm
-    (`G / sqrt(sum(G * G, axis=1, keepdims=True))`); return `sum((G_s - G_t) ** 2) / N**2` as a scalar Tensor.
-    APPROACH: Tensor ops only (`reshape`, `@`, `.T`, `*`, `.sum(axis=1, keepdims=True)`, `.sqrt()`, `/`); build the
-    teacher side from its data (`.detach()`), so no gradient reaches it.
-    HINTS: the channel counts and spatial sizes of the two sides may differ; a small helper for the normalised Gram
-    matrix keeps it short.
+    TODO: both features arrive as Tensors with the same batch size N on the first axis; their other sizes (channels,
+    spatial) may differ. For each side, flatten each sample into one row (F of shape (N, D)), form the N x N Gram
+    matrix G = F F^T of the samples' dot products, and divide each row of G by its L2 norm. Return the scalar Tensor
+    sum((G_s - G_t)**2) / N**2. Gradients reach the student features; none reaches the teacher features.
+    APPROACH: write a small helper that builds the normalised Gram matrix of one side with Tensor ops; apply it to the
+    student and to the teacher taken off the graph; reduce the squared difference.
+    HINT: whatever the feature shapes, both Gram matrices are N x N: that is why the two sides may differ in channels
+    and resolution.
+    HINT: a row norm is one number per row: reduce along axis 1 and keep that axis (`keepdims`), so that the division
+    broadcasts across each row.
+    HINT: everything must be a Tensor operation (`reshape`, `@`, `.T`, `sum`, `sqrt`, `/`) for autograd to reach the
+    student.
     """
     student_feat, teacher_feat = _check_relation_inputs(student_feat, teacher_feat)
     ### BEGIN SOLUTION

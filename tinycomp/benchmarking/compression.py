@@ -53,14 +53,18 @@ def _check_measurements(measurements):
 def stage_table(measurements) -> list:
     """Per-stage ratios from raw measurements: compression, speedup and Δaccuracy against the first row and the previous one.
 
-    TODO: `measurements` is a list of dicts {'stage': str, 'accuracy': fraction, 'file_bytes': int, 'latency_s':
-    {batch size: seconds}}, row 0 the original model. Return a NEW list with one dict per row holding 'stage',
-    'accuracy', 'file_bytes', 'latency_s' (copies) and: 'compression' = first file bytes / this row's,
-    'step_compression' = previous row's file bytes / this row's (1.0 for row 0), 'speedup' = {b: first latency at b /
-    this row's}, 'step_speedup' = {b: previous row's latency at b / this row's} (1.0 for row 0), 'dacc_points' =
-    (accuracy - first accuracy) * 100. Ratios are Python floats; do not modify the input.
-    APPROACH: keep the first row; loop with the index, the previous row being the row itself for row 0.
-    HINTS: `enumerate`; a dict comprehension over `row['latency_s'].items()` builds both speedup dicts.
+    TODO: `measurements` arrives checked: a non-empty list of dicts {'stage': str, 'accuracy': fraction, 'file_bytes':
+    int, 'latency_s': {batch size: seconds}}, row 0 the original model, every row timed at the same batch sizes.
+    Return a NEW list with one dict per row, in order, without modifying the input; each holds 'stage', 'accuracy',
+    'file_bytes', 'latency_s' (a copy of the dict) and the quantities defined above, as Python floats:
+    - 'compression': the first row's file bytes / this row's; 'step_compression': the previous row's / this row's;
+    - 'speedup': {b: the first row's latency at b / this row's}; 'step_speedup': the same with the previous row;
+    - 'dacc_points': (accuracy - first accuracy) * 100.
+    Row 0 has every ratio 1.0, its step ratios included, and 'dacc_points' 0.0.
+    APPROACH: keep the first row at hand; go through the rows with their index; for row 0 let the "previous row" be
+    the row itself, so the same formulas give 1.0; build each output dict from scratch.
+    HINT: `enumerate` gives the index and the row together.
+    HINT: a dict comprehension over the items of a row's latencies builds each speedup dict in one expression.
     """
     _check_measurements(measurements)
     ### BEGIN SOLUTION

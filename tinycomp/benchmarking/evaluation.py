@@ -110,17 +110,21 @@ def _check_calibration_inputs(probs, labels, n_bins):
 def expected_calibration_error(probs, labels, n_bins=15) -> float:
     """Expected calibration error of probabilities `probs` (N, C) against integer `labels` (N,), with `n_bins` equal-width bins.
 
-    TODO: return ECE = sum over bins b of (count_b / N) * |accuracy_b - confidence_b|, as a Python float.
-    APPROACH: a row's confidence is its largest probability and its prediction the argmax (the FIRST index of a tie,
-    which is what `np.argmax` gives). Bin b (b = 0 .. n_bins - 1) holds the confidences in (b / n_bins, (b + 1) / n_bins]:
-    left edge excluded, right edge included, and bin 0 also holds a confidence of exactly 0. With the edges
-    `np.arange(n_bins + 1) / n_bins` (float64), a row's bin is the number of inner edges (all but the first and the
-    last) strictly below its confidence. For each non-empty bin, accuracy_b is the fraction of its rows predicted
-    right and confidence_b the mean of their confidences; an empty bin contributes 0.
-    HINTS: `probs` arrives checked, as float64 (rows in [0, 1] summing to 1), `labels` as int64 and `n_bins` as an
-    int >= 1. With 5 bins a confidence of exactly 0.4 belongs to bin 1, (0.2, 0.4], not to bin 2, and 1.0 to bin 4.
-    `np.searchsorted(inner_edges, confidences, side=...)` counts, for each confidence, the inner edges on one side
-    of it (read which side `'left'` and `'right'` mean); then a loop over the bins is fine.
+    TODO: `probs` arrives checked as a float64 (N, C) array (rows in [0, 1] summing to 1), `labels` as int64 (N,) and
+    `n_bins` as an int >= 1; leave them unchanged. Return, as a Python float, the ECE defined above: the sum over the
+    bins of (rows in the bin / N) * |accuracy of the bin - mean confidence of the bin|. A row's confidence is its
+    largest probability and its prediction the FIRST index of that maximum. Edge k is k / n_bins (float64,
+    k = 0 .. n_bins); bin b holds the confidences in (b / n_bins, (b + 1) / n_bins], left edge excluded, right edge
+    included, bin 0 also taking a confidence of exactly 0: a row's bin is the number of inner edges (all but the first
+    and the last) strictly below its confidence. With 5 bins, 0.4 belongs to bin 1 and 1.0 to bin 4. An empty bin
+    contributes 0.
+    APPROACH: find every row's confidence, prediction and whether it is right; give every row its bin number; loop
+    over the bins and add each non-empty bin's weighted gap.
+    HINT: the tie rule for the prediction is the one `np.argmax` already follows.
+    HINT: "how many sorted edges lie strictly below this value" is a sorted search: read how `np.searchsorted`'s `side`
+    argument treats a value equal to an edge, and try it on 0.4 with the edges of 5 bins.
+    HINT: a boolean mask per bin selects its rows; the mean of a boolean array is a fraction; skip an empty bin before
+    taking means (the mean of nothing is nan).
     """
     probs, labels, n_bins = _check_calibration_inputs(probs, labels, n_bins)
     ### BEGIN SOLUTION
@@ -280,14 +284,18 @@ def _check_points(points, maximize):
 def pareto_front(points, maximize) -> np.ndarray:
     """Sorted indices (int64) of the non-dominated rows of `points` (n, k); `maximize[j]` says whether objective j is maximised.
 
-    TODO: return, in ascending order, the indices i such that no row j dominates row i. Row j dominates row i when it
-    is at least as good as i in every objective and strictly better in at least one (so exact duplicates do NOT
-    dominate each other: all copies of a front point stay on the front).
-    APPROACH: turn every objective into "larger is better" by negating the minimised columns; then for each i, look
-    for a j that dominates it (a double loop, O(n^2 k), is the intended solution); keep i if there is none.
-    HINTS: `points` arrives checked as a float64 (n, k) array (a copy: do not worry about changing it) and `maximize`
-    as a bool array of length k. `np.where(maximize, points, -points)` broadcasts the flags over the rows;
-    `np.all(a >= b)` and `np.any(a > b)` compare two rows. Return `np.array(..., dtype=np.int64)`.
+    TODO: `points` arrives checked as a float64 (n, k) array (a copy) and `maximize` as a bool array of length k. Return
+    an int64 array of the indices i, in ascending order, such that no row j dominates row i. Row j dominates row i when
+    it is at least as good as i in every objective and strictly better in at least one (better: larger for a maximised
+    objective, smaller for a minimised one). So exact duplicates do NOT dominate each other: all copies of a front point
+    stay on the front, and of two rows equal in one objective, the one better in another dominates.
+    APPROACH: make every objective "larger is better" by flipping the sign of the minimised columns; then for each row
+    look for a row that dominates it (a double loop, O(n^2 k), is the intended solution) and keep the row if none does.
+    HINT: does a row dominate itself, or an exact copy of itself? The definition answers it, so the inner loop needs no
+    special case.
+    HINT: `np.where` with the flags broadcasts over the rows and picks each column or its negation; `np.all` and
+    `np.any` compare two whole rows element by element.
+    HINT: collect the kept indices in a list and build the result with an explicit int64 dtype.
     """
     points, maximize = _check_points(points, maximize)
     ### BEGIN SOLUTION
@@ -317,15 +325,22 @@ def pareto_mask(points, maximize) -> np.ndarray:
 def knee_point(points, maximize) -> int:
     """Index (into `points`) of the Pareto-front point closest to the ideal point after normalising over the front.
 
-    TODO: find the front (the non-dominated rows), min-max normalise each objective OVER THE FRONT so that 1 is the
-    front's best value and 0 its worst (for a maximised objective (x - min) / (max - min), for a minimised one
-    (max - x) / (max - min)); an objective constant over the front contributes 0 to every distance. Return the index,
-    into `points`, of the front point with the smallest Euclidean distance to the all-ones point, as an int; on a tie
-    the lowest index. A front of one point gives that point.
-    APPROACH: `idx = np.flatnonzero(pareto_mask(points, maximize))`, the front rows `points[idx]`, their column-wise
-    min and max, the normalised values, the distances; `np.argmin` returns the first minimum.
-    HINTS: `points` arrives checked as float64 (n, k) and `maximize` as a bool array. Guard the division where
-    max == min (no NaN may reach `argmin`). The min and max come from the front rows only, not from all the points.
+    TODO: `points` arrives checked as a float64 (n, k) array and `maximize` as a bool array of length k; leave them
+    unchanged. Over the Pareto front (the non-dominated rows), rescale each objective to [0, 1], 1 the front's best
+    value and 0 its worst: (x - min) / (max - min) if maximised, (max - x) / (max - min) if minimised, with min and max
+    taken over the front rows only (dominated rows must not stretch the scale). An objective constant over the front
+    counts as ideal: it contributes 0 to every distance. Return, as a Python int, the index into `points` of the front
+    point with the smallest Euclidean distance to the all-ones point; on a tie the lowest index. A front of one point
+    gives that point.
+    APPROACH: get the front's row indices, in ascending order, from the broadcasting `pareto_mask` above; take those
+    rows; rescale them column by column with the front's minima and maxima; compute each front point's distance to the
+    ideal point; map the position of the smallest distance back to an index into `points`.
+    HINT: the answer is an index into `points`, not a position within the front: keep the front's indices at hand to
+    translate one into the other.
+    HINT: `np.flatnonzero` turns a mask into ascending indices; `np.argmin` returns the first minimum, which gives the
+    tie rule once positions map back to ascending indices.
+    HINT: where max == min the division is 0 / 0 = nan, and a nan reaching `np.argmin` wins; divide by a safe span
+    there (`np.where`) and give those columns the ideal value.
     """
     points, maximize = _check_points(points, maximize)
     ### BEGIN SOLUTION

@@ -67,10 +67,13 @@ def predict(model, X, batch_size=256) -> np.ndarray:
 def wilson_interval(correct, n, z=1.96) -> tuple:
     """The Wilson score interval (low, high) of an accuracy of `correct` right answers out of `n`.
 
-    TODO: return two Python floats, the interval's lower and upper ends, clipped to [0, 1].
-    APPROACH: 1) p = correct / n; 2) denom = 1 + z**2 / n; 3) center = (p + z**2 / (2 * n)) / denom;
-    4) half = z * sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denom; 5) (center - half, center + half), clipped.
-    HINTS: `math.sqrt` on a float; `max(0.0, ...)` and `min(1.0, ...)` clip; at p = 1 the interval is not empty.
+    TODO: `correct` and `n` arrive checked (whole numbers, n >= 1, 0 <= correct <= n) and `z` > 0. Return two Python
+    floats (low, high): the centre minus and plus the half-width of the Wilson formula above, with p = correct / n,
+    each end clipped to [0, 1]. The checks include p = 0, p = 1 and n up to a million.
+    APPROACH: compute p, the denominator the centre and the half-width share, the centre and the half-width as the
+    formula reads, then clip both ends.
+    HINT: at p = 1 the Wald term p (1 - p) / n vanishes: which term keeps the Wilson interval from being empty?
+    HINT: plain Python arithmetic and `math.sqrt` are all you need; `max` with 0.0 and `min` with 1.0 do the clipping.
     """
     if isinstance(n, bool) or int(n) != n or n < 1: raise TinycompError(f"n must be a whole number of at least 1, got {n!r}")
     if isinstance(correct, bool) or int(correct) != correct or not 0 <= correct <= n:
@@ -88,13 +91,19 @@ def wilson_interval(correct, n, z=1.96) -> tuple:
 def mcnemar(baseline_correct, candidate_correct) -> dict:
     """McNemar's test of paired predictions: did the candidate's accuracy really change?
 
-    TODO: `baseline_correct` and `candidate_correct` are boolean arrays of the same length (True where that model got
-    the sample right). Return dict(b=int, c=int, statistic=float, p_value=float).
-    APPROACH: 1) b = count of baseline right and candidate wrong, c = count of baseline wrong and candidate right;
-    2) statistic = (|b - c| - 1)**2 / (b + c), or 0.0 when b + c == 0; 3) p_value: 1.0 when b + c == 0; when
-    b + c < 25, the exact two-sided binomial `min(1, 2 * sum(comb(n, k) for k in 0..min(b, c)) / 2**n)` with
-    n = b + c; otherwise `math.erfc(math.sqrt(statistic / 2))`.
-    HINTS: `np.count_nonzero(a & ~b)`; `math.comb`; Python ints keep the binomial sum exact; return Python numbers.
+    TODO: `baseline_correct` and `candidate_correct` arrive checked as 1-D boolean arrays of the same length (True where
+    that model got the sample right). Return dict(b=int, c=int, statistic=float, p_value=float) of Python numbers, as
+    defined above: b counts the samples the baseline gets right and the candidate wrong, c the reverse; the statistic is
+    the continuity-corrected (|b - c| - 1)**2 / (b + c); the p-value is the exact two-sided binomial test when
+    b + c < 25 (capped at 1) and the chi-square tail erfc(sqrt(statistic / 2)) otherwise. With no disagreement
+    (b + c = 0) the statistic is 0.0 and the p-value 1.0.
+    APPROACH: count the two kinds of disagreement, return early when there is none, then compute the statistic and
+    choose the p-value's formula by the number of disagreements.
+    HINT: "right for one, wrong for the other" is a logical AND of one array with the negation of the other; NumPy
+    counts the True entries for you (`np.count_nonzero`).
+    HINT: the exact test sums the binomial coefficients C(b + c, k) for k from 0 to min(b, c); `math.comb` and Python's
+    integers keep that sum exact until the one division by 2**(b + c).
+    HINT: `math.erfc` and `math.sqrt` give the large-sample tail; turn NumPy counts into Python ints with `int`.
     """
     a, c_ = np.asarray(baseline_correct), np.asarray(candidate_correct)
     if a.dtype != bool or c_.dtype != bool or a.shape != c_.shape or a.ndim != 1:
@@ -116,13 +125,19 @@ def mcnemar(baseline_correct, candidate_correct) -> dict:
 def ratio_ci(baseline_times, candidate_times, rng, n_boot=1000) -> dict:
     """Speedup = median(baseline_times) / median(candidate_times), with a bootstrap 95 % interval.
 
-    TODO: the two arguments are 1-D arrays of seconds (any lengths >= 1), `rng` a `np.random.Generator`. Return
-    dict(ratio=..., ci_low=..., ci_high=...) of Python floats.
-    APPROACH: 1) ratio = np.median(baseline) / np.median(candidate); 2) with nb, nc the two lengths, draw
-    `ib = rng.integers(0, nb, size=(n_boot, nb))` and THEN `ic = rng.integers(0, nc, size=(n_boot, nc))`;
-    3) ratios = np.median(baseline[ib], axis=1) / np.median(candidate[ic], axis=1);
-    4) ci_low, ci_high = np.percentile(ratios, [2.5, 97.5]).
-    HINTS: draw exactly twice, in that order, or your interval will differ from the reference; `float(...)`.
+    TODO: the times arrive checked as 1-D float64 arrays of positive seconds (any lengths >= 1, usually different) and
+    `rng` as a `np.random.Generator`. Return dict(ratio=..., ci_low=..., ci_high=...) of Python floats: the ratio of
+    the two medians, and the 2.5th and 97.5th percentiles (NumPy's default interpolation) of `n_boot` bootstrap
+    ratios, each the median of a resample of the baseline over the median of a resample of the candidate. To match the
+    reference draw for draw, use `rng` exactly so: first ONE call of `rng.integers` for all the baseline resamples, an
+    (n_boot, nb) array of indices in [0, nb), THEN one call for all the candidate resamples, (n_boot, nc) in [0, nc),
+    with nb and nc the two lengths.
+    APPROACH: compute the ratio of medians; draw the two index arrays, in that order; index each sample with its array
+    so that every row is one resample; take one median per row, divide, and read off the two percentiles.
+    HINT: indexing a 1-D array with a 2-D integer array gives an array of the indices' shape: every resample at once.
+    HINT: `np.median` takes an `axis` (one median per row); `np.percentile` accepts a list of percentiles.
+    HINT: drawing in another order, or one resample at a time, gives a different (equally valid) interval that the
+    checks reject; `float` turns NumPy scalars into Python floats.
     """
     baseline_times, candidate_times = (np.asarray(t, dtype=np.float64) for t in (baseline_times, candidate_times))
     for name, t in (('baseline_times', baseline_times), ('candidate_times', candidate_times)):

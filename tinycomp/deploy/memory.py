@@ -18,10 +18,16 @@ def value_lifetimes(graph) -> dict:
     """`{node name: (first, last)}`: the step that makes each node's value and the last step that needs it (both
     inclusive, steps numbered in the graph's order from 0); the output lives to the last step.
 
-    TODO: return the lifetimes of every node's value (not of the graph's input).
-    APPROACH: one pass over `graph` numbered with `enumerate` sets each value's birth; each node then extends the
-    death of every value it reads to its own step.
-    HINTS: `graph.output` names the output value; `graph.input_name` is the input's name, which nodes read too.
+    TODO: return a dict {node name: (first, last)} of ints with an entry for every node's value and none for the graph's
+    input (the caller's array, which nodes read too). `first` is the node's own step; `last` is the last step whose node
+    reads the value, or its own step if no node reads it; the value named `graph.output` lives to the graph's last step.
+    APPROACH: one pass over the nodes numbered from 0: each node's value is born at its step, and the node extends the
+    life of every value it reads to its own step; at the end, extend the output's life.
+    HINT: the nodes come in order, so when a node reads a value its step is the latest so far: it simply becomes that
+    value's last step.
+    HINT: a lifetime you keep updating is easier held in a mutable pair (a list) and turned into a tuple at the end;
+    skip the inputs that are no node's value (`graph.input_name`).
+    HINT: `enumerate` numbers the nodes; the length of the graph is its number of steps.
     """
     ### BEGIN SOLUTION
     life = {}
@@ -38,12 +44,21 @@ def assign_offsets(sizes, first, last) -> np.ndarray:
     """Offsets (int64, in the units of `sizes`) of values of `sizes` alive from step `first[i]` to `last[i]`
     (inclusive), by greedy best fit in order of decreasing size: values alive at the same step never overlap.
 
-    TODO: return the offset of each value, placed as the three rules above say.
-    APPROACH: the order of placement is `sorted(range(n), key=lambda i: (-sizes[i], first[i], i))`; for each value,
-    collect (offset, size) of the placed values whose lifetimes overlap, sort them by offset, and walk the gaps while
-    keeping the end of what you have passed so far.
-    HINTS: two placed values can themselves overlap in memory (they may not be alive together), so the end you keep
-    is the largest end seen, not the last one; a gap is usable when it is at least the size.
+    TODO: `sizes`, `first`, `last` arrive as int64 arrays of one length n, and `offsets` as zeros to fill in. Place the
+    values by the three rules above: from the largest to the smallest (ties: the earlier `first`, then the lower
+    index); for each, consider the values already placed whose lifetimes overlap its own ([a1, b1] and [a2, b2]
+    overlap when a1 <= b2 and a2 <= b1), in order of offset, and the gaps between them, from offset 0; put it in the
+    smallest gap that fits (ties: the lowest offset), else at the largest end among those values (0 if there are none).
+    Values alive at a common step must never overlap in memory.
+    APPROACH: sort the indices into placement order; for each value, list (offset, size) of the overlapping values
+    already placed, sorted by offset; walk them while keeping the end of everything passed so far, measuring the gap in
+    front of each; remember the best fitting gap; place the value there, or at the final end.
+    HINT: Python's `sorted` takes a `key` that may return a tuple: a negated size puts the largest first, and the other
+    entries of the tuple break the ties.
+    HINT: two placed values can overlap each other in memory (they need not be alive together), so the end you keep is
+    the largest end seen so far, not the end of the last value.
+    HINT: a gap is usable when it is at least the value's size; replace the best gap only by a strictly smaller one,
+    which keeps the lowest offset on a tie.
     """
     sizes, first, last = (np.asarray(a, np.int64) for a in (sizes, first, last))
     offsets = np.zeros(len(sizes), np.int64)

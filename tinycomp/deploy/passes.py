@@ -93,12 +93,18 @@ def fold_batchnorms(graph) -> Graph:
     """Fold every BatchNorm2d that reads a Conv2d into that Conv2d (module 04's `fold_batchnorm`), when the BatchNorm
     is the only reader of the convolution's output. Rewrites `graph` in place and returns it.
 
-    TODO: for each node whose layer is a `BatchNorm2d`: if it reads a node whose layer is a `Conv2d` and which has no
-    other reader, make that node apply `fold_batchnorm(conv, bn)` and drop the BatchNorm node.
-    APPROACH: walk over a list of the nodes (the graph changes while you walk); the conv node is `graph[name]` for
-    the name in `node.inputs`; `graph.users(name)` lists its readers.
-    HINTS: the node and the Graph methods you need are described above; a convolution read by two nodes stays as it
-    is; a BatchNorm reading the graph's input (not a node) stays too.
+    TODO: `graph` is a traced Graph (its node and Graph methods are described above). For every node whose layer is a
+    `BatchNorm2d` and whose input is made by a node whose layer is a `Conv2d` that no other node reads: that node
+    applies the folded convolution of module 04's `fold_batchnorm` instead, and the BatchNorm node goes (its readers,
+    and the graph's output if it was the output, then read the convolution). A BatchNorm that reads the graph's input,
+    or any other layer, or a convolution that another node reads too, stays. The graph computes the same afterwards.
+    APPROACH: walk over the nodes; for each BatchNorm node, check the conditions on the value it reads; when they
+    hold, swap the folded convolution into the producing node and remove the BatchNorm node.
+    HINT: the graph changes while you walk over it: iterate over a snapshot of its nodes (a list).
+    HINT: `graph.input_name` is not a node (`graph[...]` of it is an error): test for it before you look at the layer
+    that made a value. `graph.users` lists the readers of a value.
+    HINT: `graph.replace` makes a node apply another layer to the same inputs; `graph.remove` drops a node and rewires
+    its readers to its input.
     """
     ### BEGIN SOLUTION
     for node in list(graph):
@@ -247,12 +253,17 @@ def fuse_activations(graph) -> Graph:
     FusedConv2d or FusedLinear it reads, when that layer has no activation yet and the activation node is the only
     reader of its output. Rewrites `graph` in place and returns it.
 
-    TODO: for each node whose layer has an `epilogue_activation` (not None), reading a node whose layer is a
-    FusedConv2d or FusedLinear with `activation is None` and no other reader: make that node apply the layer's
-    `with_epilogue` with that activation, and drop the activation node.
-    APPROACH: the same walk as `fold_batchnorms`.
-    HINTS: `with_epilogue` returns a new layer, it does not change the one you call it on; a fused layer whose
-    epilogue already adds a residual can still take the activation (it is applied after the add).
+    TODO: `graph` has been through `use_fused_layers` and `fuse_residual_adds`. For every node whose layer
+    `epilogue_activation` maps to an activation (not None): if its input is made by a node whose layer is a
+    FusedConv2d or FusedLinear with no activation yet and no other reader, that node applies its layer's
+    `with_epilogue` with that activation instead, and the activation node goes. An activation that reads the graph's
+    input, another kind of layer, a fused layer that already has an activation, or a value read by other nodes too,
+    stays. A fused layer whose epilogue already adds a residual can still take the activation (applied after the add).
+    APPROACH: the same walk as `fold_batchnorms`, with its conditions adapted: ask `epilogue_activation` instead of
+    testing for a BatchNorm, and build the new layer with `with_epilogue`.
+    HINT: a fused layer's `activation` attribute tells whether its epilogue already applies one.
+    HINT: `with_epilogue` returns a new layer and does not change the one you call it on: pass it the activation by
+    keyword and hand the result to `graph.replace`.
     """
     ### BEGIN SOLUTION
     for node in list(graph):

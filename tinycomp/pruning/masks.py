@@ -56,13 +56,18 @@ def _as_weight(weight, name='weight', min_ndim=1):
 def l1_unstructured(weight, amount) -> np.ndarray:
     """Magnitude mask: float32 0/1 array of `weight`'s shape that prunes the `k` weights with the smallest |w|.
 
-    TODO: `k` is `amount` itself if it is an int, else `round(amount * n)` (Python's `round`: halves to even) for
-    the `n` weights. Return a float32 mask of `weight`'s shape with 0 at the `k` pruned positions and 1 elsewhere.
-    APPROACH: sort the flattened |w| with a stable sort; the first `k` indices are the pruned ones; put zeros
-    there in a flat mask of ones, then reshape.
-    HINTS: `weight` arrives as a float32 array and `amount` as a checked Python int or float;
-    `np.argsort(..., kind='stable')` breaks ties by index (lower index pruned first); `isinstance(amount, int)`;
-    a mask of ones: `np.ones(n, np.float32)`.
+    TODO: `weight` arrives as a float32 array and `amount` as a checked Python int or float. `k` is `amount` itself if
+    it is an int, else `round(amount * n)` for the `n` weights (Python's `round`, halves to even: PyTorch's rule).
+    Return a float32 mask of `weight`'s shape with 0 at the `k` positions of smallest |w| and 1 elsewhere. Ties in |w|
+    go by flat index (C order): the lower index is pruned first. The input is left unchanged.
+    APPROACH: work on the flattened |w|: order its positions from smallest to largest magnitude, keeping tied positions
+    in index order; the first `k` positions of that order are the pruned ones. Zero them in a flat mask of ones and
+    give the mask the weight's shape.
+    HINT: you need the positions of the `k` smallest magnitudes, not their values: which NumPy function returns the
+    order of the elements rather than the sorted array?
+    HINT: `np.argsort` takes a `kind` argument, and only a stable sort keeps equal values in index order; the checks use
+    weights full of ties. `isinstance` tells an int `amount` from a float one.
+    HINT: create the mask as float32 from the start (`np.ones` takes a dtype), then index it with the pruned positions.
     """
     w = _as_weight(weight)
     amount = _check_amount(amount, w.size)
@@ -101,13 +106,16 @@ def _as_weight_list(weights):
 def global_unstructured(weights, amount) -> list:
     """Global magnitude masks: a list of float32 0/1 arrays, one per weight, pruning the `k` smallest |w| of all.
 
-    TODO: with `n` the total number of weights, `k` is `amount` if it is an int, else `round(amount * n)`. Rank the
-    |w| of all weights together and prune the `k` smallest; return one mask per weight, of its shape.
-    APPROACH: concatenate the flattened |w| of all weights in order, sort it stably, zero the first `k` positions of
-    one long mask of ones, then split it back at the cumulative sizes and reshape each piece.
-    HINTS: `weights` arrives as a list of float32 arrays and `amount` as a checked Python int or float;
-    `np.concatenate([...])`, `np.cumsum(sizes)[:-1]` and `np.split`; ties: the stable sort prunes the lower position in
-    the concatenation first.
+    TODO: `weights` arrives as a list of float32 arrays and `amount` as a checked Python int or float. With `n` the
+    total number of weights of all arrays, `k` is `amount` if it is an int, else `round(amount * n)` (Python's `round`,
+    halves to even). Rank the |w| of all arrays together and prune the `k` smallest. Ties go by position in the arrays
+    laid end to end, each flattened in C order: the lower position is pruned first. Return one float32 mask per
+    weight, in order, each of its weight's shape.
+    APPROACH: it is `l1_unstructured` on one long vector: line up the flattened |w| of every weight, build one long
+    mask the same way, then cut it into pieces of the weights' sizes and give each piece its weight's shape.
+    HINT: where does each weight's piece start and end in the long vector? Its offsets are running sums of the sizes.
+    HINT: look up `np.concatenate` and `np.split`; `np.split` wants the positions where to cut, not the sizes.
+    HINT: the cut positions are the running sums of the sizes (`np.cumsum`) without the last one, which is the total.
     """
     ws = _as_weight_list(weights)
     total = sum(w.size for w in ws)
@@ -176,13 +184,18 @@ def nm_mask(weight, n=2, m=4) -> np.ndarray:
     """N:M mask: float32 0/1 array of `weight`'s shape keeping the `n` largest |w| of every `m` consecutive weights
     along the input dimension.
 
-    TODO: view the weight as (out, L) with L the product of all dimensions but the first (in for a Linear,
-    in*kh*kw for a conv); split each row into L/m groups of `m` consecutive weights; in each group keep the `n`
-    weights with the largest |w| and prune the other m - n. Return the mask in `weight`'s shape.
-    APPROACH: reshape |w| to (out, L // m, m), sort each group with a stable argsort along the last axis, and set
-    the mask to 0 at the first m - n indices of every group (the smallest; ties: lower index pruned first).
-    HINTS: `weight` arrives as a float32 array with L divisible by m, `n` and `m` as checked ints;
-    `np.put_along_axis(mask, idx, 0, axis=-1)` writes zeros at per-group indices.
+    TODO: `weight` arrives as a float32 array of at least 2 dims whose input length L (the product of all dimensions
+    but the first: in for a Linear, in*kh*kw for a conv) is divisible by `m`; `n` and `m` arrive as checked ints.
+    Seen as (out, L), each row splits into L/m groups of `m` consecutive weights; in each group keep the `n` weights
+    with the largest |w| and prune the other m - n (ties: the lower index in the group is pruned first). Return the
+    float32 mask in `weight`'s shape.
+    APPROACH: give |w| a shape in which every group is a short row of its own; find in each group the positions of
+    its m - n smallest magnitudes; zero those positions in a mask of ones of the same shape; reshape the mask back.
+    HINT: a 3-D view (out, groups per row, m) turns "in every group" into "along the last axis", and most NumPy
+    functions take an `axis`.
+    HINT: a stable `np.argsort` along the last axis lists each group's positions from smallest to largest |w|; the
+    first m - n of them are the pruned ones.
+    HINT: writing a value at per-group indices of a 3-D array is what `np.put_along_axis` does.
     """
     w, n, m = _check_nm(weight, n, m)
     ### BEGIN SOLUTION

@@ -46,11 +46,14 @@ def _check_agp(step, initial_sparsity, final_sparsity, start_step, n_steps, freq
 def agp_sparsity(step, initial_sparsity, final_sparsity, start_step, n_steps, frequency=1) -> float:
     """The AGP target sparsity at training step `step` (Zhu & Gupta 2017).
 
-    TODO: return s_f + (s_i - s_f) * (1 - k / n)**3 where k counts the pruning steps done so far:
-    k = floor((step - start_step) / frequency), clipped to [0, n_steps]. It is s_i up to start_step and s_f from
-    start_step + n_steps * frequency on, and constant between pruning steps. Return a Python float.
-    APPROACH: one integer floor division, a clip, and the cubic.
-    HINTS: `//` floors also for negative numbers (-1 // 4 == -1), so clip after dividing; `min(max(k, 0), n)`.
+    TODO: the arguments arrive checked. Return, as a Python float, s_f + (s_i - s_f) * (1 - k / n)**3 with
+    s_i = `initial_sparsity`, s_f = `final_sparsity`, n = `n_steps` and k the number of pruning steps done so far:
+    k = floor((step - start_step) / frequency), clipped to [0, n_steps]. So it is s_i up to start_step, s_f from
+    start_step + n_steps * frequency on, and constant between pruning steps (a staircase when frequency > 1).
+    APPROACH: compute k with an integer floor division, clip it into range, then evaluate the cubic.
+    HINT: what should k be for a step before start_step? And long after the last pruning step?
+    HINT: Python's `//` floors also for negative numbers (-1 // 4 == -1, not 0), so divide first and clip afterwards;
+    `min` and `max` do the clip.
     """
     _check_agp(step, initial_sparsity, final_sparsity, start_step, n_steps, frequency)
     ### BEGIN SOLUTION
@@ -148,9 +151,13 @@ def rewind(pruned_model, checkpoint_state):
 def movement_scores_update(scores, weight, grad) -> np.ndarray:
     """One step of movement-pruning scores: S <- S - W * dL/dW (Sanh et al. 2020), a new float32 array.
 
-    TODO: return the accumulated score after one more step, elementwise, as float32, without changing the inputs.
-    APPROACH: the score of a weight grows when the weight and the descent direction -dL/dW have the same sign.
-    HINTS: all three arrays have the same shape (checked above); compute in float32.
+    TODO: `scores`, `weight` and `grad` arrive as finite float arrays of the same shape (checked above). Return the
+    accumulated score after one more step, S - W * dL/dW elementwise, as a new float32 array computed in float32,
+    without changing the inputs.
+    APPROACH: bring the three arrays to float32, apply the update elementwise, return the new array.
+    HINT: the score of a weight grows when the weight and the descent direction -dL/dW have the same sign, that is when
+    training moves the weight away from zero.
+    HINT: an in-place update (`-=`) of `scores` would change the caller's array; compute a new one. `astype` converts.
     """
     s, w, g = (np.asarray(a) for a in (scores, weight, grad))
     if not (s.shape == w.shape == g.shape):

@@ -34,13 +34,17 @@ def _check_matrix(a, name):
 def to_csr(dense):
     """The CSR arrays `(indptr, indices, data)` of a 2-D matrix: int32, int32, float32, zeros dropped.
 
-    TODO: `indptr` (M + 1,) int32 with indptr[0] = 0 and indptr[m + 1] - indptr[m] = number of nonzeros of row m;
+    TODO: the input arrives checked and converted to a float32 (M, K) matrix `a`. Return
+    `indptr` (M + 1,) int32 with indptr[0] = 0 and indptr[m + 1] - indptr[m] = the number of nonzeros of row m;
     `indices` (nnz,) int32, the column of each nonzero, rows in order and columns increasing within a row;
     `data` (nnz,) float32, the values in the same order.
-    APPROACH: 1) a boolean mask of the nonzeros; 2) count them per row and take the running sum (`np.cumsum`) into
-    indptr[1:]; 3) `np.nonzero(mask)` returns row and column indices in exactly row-major order; 4) gather the values.
-    HINTS: -0.0 == 0 is True, so a negative zero is dropped too; an all-zero row gives two equal indptr entries;
-    mind the dtypes (np.nonzero returns int64); the input is already checked and converted to float32 (`a`).
+    An all-zero row gives two equal indptr entries; -0.0 counts as a zero.
+    APPROACH: find the nonzeros; count them per row and turn the counts into row start offsets with a running sum;
+    list the (row, column) positions of the nonzeros in row-major order and gather their values.
+    HINT: indptr is a 0 followed by the running totals of the per-row counts; `np.cumsum` computes running totals.
+    HINT: `np.nonzero` of a 2-D boolean array returns a row array and a column array, already in row-major order; the
+    two arrays together index the values.
+    HINT: mind the dtypes: `np.nonzero` returns int64 and so does a sum of booleans; the result wants int32.
     """
     a = _check_matrix(dense, 'dense')
     ### BEGIN SOLUTION
@@ -103,12 +107,15 @@ def _check_operands(indptr, indices, data, x):
 def csr_matmul(indptr, indices, data, x):
     """(M, K) CSR matrix times dense `x` (K, N) float32 -> (M, N) float32, in plain NumPy.
 
-    TODO: row m of the result is the sum over the nonzeros p of row m (p from indptr[m] to indptr[m+1]) of
-    `data[p] * x[indices[p], :]`.
-    APPROACH: allocate a float32 (M, N) result of zeros (M = len(indptr) - 1); loop over the rows; for each row take
-    its slice of `data` and of `indices`, gather those rows of `x` and combine them (a small vector-matrix product
-    does the weighted sum in one call).
-    HINTS: an empty row stays zero; keep float32 (not float64); the arguments are validated for you.
+    TODO: the arguments arrive validated, `x` as a C-contiguous float32 (K, N) array; M = len(indptr) - 1. Row m of
+    the result is the sum, over the nonzeros p of row m (indptr[m] <= p < indptr[m+1]), of data[p] times row
+    indices[p] of `x`. An empty row stays zero. Return a float32 (M, N) array.
+    APPROACH: start from a float32 result of zeros; loop over the rows; for each row take its slice of `data` and of
+    `indices`, gather those rows of `x` and form their weighted sum.
+    HINT: the nonzeros of row m are the slice of `data` and of `indices` between two consecutive indptr entries.
+    HINT: a weighted sum of the rows of a matrix is a vector-matrix product, one `@` of a (nnz_m,) vector and the
+    (nnz_m, N) gathered rows.
+    HINT: keep float32 throughout (not float64): a float32 vector times a float32 matrix stays float32.
     """
     indptr, indices, data, x = _check_operands(indptr, indices, data, x)
     ### BEGIN SOLUTION

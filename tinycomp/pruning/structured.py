@@ -49,13 +49,17 @@ def channel_importance(conv_weight, importance='l1', bn=None) -> np.ndarray:
     """Exercise 05b.1: a float32 score per output channel of `conv_weight` (C_out, C_in/groups, kh, kw); larger
     means more important.
 
-    TODO: return an array of shape (C_out,): for 'l1' the sum of |w| over every weight of channel c's filter, for
-    'l2' the square root of the sum of w**2, for 'bn_gamma' |gamma_c| (the scale of `bn`, the BatchNorm after the
-    conv; `gamma` below is already its checked array).
-    APPROACH: view the weight as a (C_out, rest) matrix, one row per filter, and reduce each row; accumulate in
-    float64 and return float32.
-    HINTS: `w.reshape(w.shape[0], -1)`; `np.abs`, `.sum(axis=1)`, `np.sqrt`. The same code scores the neurons of a
-    Linear weight (out, in). Do not modify the input."""
+    TODO: `w` is the checked weight array and, for 'bn_gamma', `gamma` the checked scale of `bn` (the BatchNorm after
+    the conv). Return a float32 array of shape (C_out,): for 'l1' the sum of |w| over every weight of channel c's
+    filter, for 'l2' the square root of the sum of w**2 over the filter, for 'bn_gamma' |gamma_c|. Accumulate the sums
+    in float64. Do not modify the input.
+    APPROACH: make each filter one row of a matrix with C_out rows, reduce every row to one number with the chosen
+    norm, and convert the scores to float32 at the end. The 'bn_gamma' score needs no weights at all.
+    HINT: which axes hold the weights of filter c? A reshape that keeps the first axis and merges all the others makes
+    every filter a row (NumPy can infer one dimension of a reshape for you).
+    HINT: reductions such as `sum` take an `axis`; `np.abs` and `np.sqrt` are elementwise; `astype` sets the dtype. The
+    same code then scores the neurons of a Linear weight (out, in).
+    """
     w = _weight_array(conv_weight)
     if importance not in IMPORTANCES: raise TinycompError(f"importance must be one of {IMPORTANCES}, got {importance!r}")
     gamma = _gamma(bn, w.shape[0]) if importance == 'bn_gamma' else None
@@ -107,18 +111,24 @@ def slice_conv_bn_next(conv, bn, next_layer, keep):
     groups=1), the same channels of `bn` (a BatchNorm2d or None) and the matching inputs of `next_layer` (a Conv2d
     with groups=1, a Linear that follows a Flatten, or None). The inputs are left untouched.
 
-    TODO: copy each layer (`copy.deepcopy`) and replace its arrays by the kept slices, updating the sizes stored on
-    the layer (`conv.out_channels`, `bn.num_features`, `next.in_channels` or `next.in_features`):
+    TODO: return the three new layers (None for a missing bn or next layer). `keep` arrives checked: sorted, unique,
+    int64, in range. Work on copies (`copy.deepcopy`), replace their arrays by the kept slices as new `Parameter`s, and
+    update the sizes stored on each layer (`conv.out_channels`, `bn.num_features`, `next.in_channels` or
+    `next.in_features`):
     - conv: rows `keep` of `weight` (and of `bias` if it has one);
-    - bn: entries `keep` of `weight` and `bias` (if affine) and of the buffers `running_mean`, `running_var`;
+    - bn: entries `keep` of `weight` and `bias` (if affine) and of the buffers `running_mean`, `running_var` (which
+      live in `layer._buffers`);
     - next Conv2d: columns (axis 1) `keep` of its weight;
     - next Linear: after a Flatten, channel c is the block of H*W features c*H*W ... (c+1)*H*W - 1, with
       H*W = in_features // conv.out_channels; keep those columns, in order.
-    Return (None for a missing bn or next layer).
-    APPROACH: fancy indexing with `keep` (already checked: sorted, unique, in range); wrap new weights in
-    `Parameter(array)`; buffers live in `layer._buffers`.
-    HINTS: `np.ascontiguousarray` keeps the kernels fast; for the Linear, `(keep[:, None] * hw + np.arange(hw)).ravel()`
-    lists the kept features."""
+    APPROACH: one layer at a time: deep-copy it, index its arrays with `keep` along the right axis, wrap the slices
+    and set the new size. For the Linear, first turn the kept channels into the list of kept feature columns.
+    HINT: indexing with an integer array ("fancy" indexing) selects rows, or columns when used on the second axis,
+    and returns a copy; it works with `keep` as it is.
+    HINT: the kept features of the Linear are, for each kept channel in order, its H*W consecutive columns: a table
+    of column numbers with one row per kept channel, flattened. Broadcasting builds that table without a loop.
+    HINT: `np.ascontiguousarray` gives the sliced weights the memory layout the fast kernels expect.
+    """
     if not isinstance(conv, Conv2d) or conv.groups != 1:
         raise TinycompError("slice_conv_bn_next needs a Conv2d with groups=1 as `conv` (depthwise convs follow their producer)")
     keep = _check_keep(keep, conv.out_channels)
@@ -281,17 +291,23 @@ def channel_groups(graph) -> dict:
     per channel} for the graph's input and every node's output (a value's channels are its axis 1; a value with fewer
     than two axes has none): two channels share a label exactly when removing one forces removing the other.
 
-    TODO: keep a union-find over the pairs (value name, channel index). Go through the nodes in order and join what
-    each node's flow, `flows[node.name]`, couples (the table above):
+    TODO: the values are `graph.input_name` and the nodes' names; `shapes[name]` is a value's shape,
+    `_channels(shape)` its number of channels, `node.inputs` a node's inputs. Each node's flow, `flows[node.name]`,
+    couples channels (the table above):
     - 'same': output channel c with channel c of each input;
     - ('repeat', m): output channels c*m ... c*m + m - 1 with input channel c (a depthwise conv's multiplier, a Flatten);
     - 'concat': the output's channels are the inputs' channels one input after another;
     - 'mix' and None couple nothing.
-    Then give every channel the label of its group: any integers, equal within a group and different across groups.
-    APPROACH: `parent` maps a pair to another pair of its group; `find` follows it to the group's root; `union` makes
-    one root point at the other. The labels can number the roots in the order you meet them.
-    HINTS: `shapes[name]` is the shape of a value, `_channels(shape)` its number of channels; the graph's input is
-    `graph.input_name`, a node's inputs `node.inputs`."""
+    Two channels are in one group when a chain of such couplings links them. The labels are any integers, equal within
+    a group and different across groups.
+    APPROACH: a union-find over the pairs (value name, channel index): go through the nodes in order and join the pairs
+    each flow couples; then label every channel by the root of its set, numbering the roots in the order you meet them.
+    HINT: a dict `parent` from a pair to another pair of its set is enough: `find` follows it until it reaches a pair
+    that is its own parent (a pair missing from the dict is its own parent); `union` points one root at the other.
+    HINT: for ('repeat', m), which input channel does output channel c come from? Integer division answers it.
+    HINT: for 'concat', keep a running offset: it tells where the current input's channels start in the output, and
+    grows by that input's channel count.
+    """
     shapes, flows = value_shapes(graph), channel_flows(graph)
     ### BEGIN SOLUTION
     parent = {}
