@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['latency_stats', 'blas_threads', 'usable_cores', 'check_threads', 'threads_arg', 'add_measure_options', 'positive_int',
-           'set_threads', 'thread_info', 'optional_torch', 'using_threads', 'measure_times', 'time_fn']
+           'set_threads', 'thread_info', 'optional_torch', 'using_threads', 'measure_times', 'time_fn',
+           'time_interleaved']
 
 # %% ../../nbs/03a_profiling.ipynb #54c562be
 import argparse
@@ -163,12 +164,15 @@ def using_threads(n):
         if torch is not None and before['torch']: torch.set_num_threads(before['torch'])
 
 # %% ../../nbs/03a_profiling.ipynb #fed7f7df
-def measure_times(fn, repeats=20, warmup=2) -> np.ndarray:
-    "Call `fn()` `warmup` times untimed, then `repeats` times, each timed with `time.perf_counter_ns`; the seconds."
+def _check_counts(repeats, warmup):
     if isinstance(repeats, bool) or int(repeats) != repeats or repeats < 1:
         raise TinycompError(f"repeats must be a whole number of at least 1, got {repeats!r}")
     if isinstance(warmup, bool) or int(warmup) != warmup or warmup < 0:
         raise TinycompError(f"warmup must be a whole number of at least 0, got {warmup!r}")
+
+def measure_times(fn, repeats=20, warmup=2) -> np.ndarray:
+    "Call `fn()` `warmup` times untimed, then `repeats` times, each timed with `time.perf_counter_ns`; the seconds."
+    _check_counts(repeats, warmup)
     for _ in range(int(warmup)): fn()
     ts = np.empty(int(repeats))
     for i in range(int(repeats)):
@@ -183,3 +187,27 @@ def time_fn(fn, repeats=20, warmup=2, rng=None) -> dict:
     stats = latency_stats(ts, np.random.default_rng(0) if rng is None else rng)
     return dict(stats, min=float(ts.min()), noisy=bool(stats['cv'] > 0.10), repeats=int(repeats), warmup=int(warmup),
                 threads=threads)
+
+
+def time_interleaved(fns, repeats=20, warmup=2, rng=None) -> dict:
+    """Time several functions against each other, `fns` = {name: fn}: every one is warmed up (`warmup` untimed calls),
+    then `repeats` rounds call each once, in a new random order every round, so a slow phase of the machine (or the
+    warm-up of whichever runs first) hits all of them alike. Returns {name: the dict `time_fn` returns}."""
+    fns = dict(fns)
+    if not fns: raise TinycompError("time_interleaved needs at least one function")
+    _check_counts(repeats, warmup)
+    rng = np.random.default_rng(0) if rng is None else rng
+    threads, names = thread_info(), list(fns)
+    for _ in range(int(warmup)):
+        for name in names: fns[name]()
+    ts = {name: np.empty(int(repeats)) for name in names}
+    for i in range(int(repeats)):
+        for k in rng.permutation(len(names)):
+            fn = fns[names[k]]
+            t0 = time.perf_counter_ns(); fn(); ts[names[k]][i] = (time.perf_counter_ns() - t0) * 1e-9
+    out = {}
+    for name in names:
+        stats = latency_stats(ts[name], rng)
+        out[name] = dict(stats, min=float(ts[name].min()), noisy=bool(stats['cv'] > 0.10), repeats=int(repeats),
+                         warmup=int(warmup), threads=threads)
+    return out
