@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import TinycompError
 from .notebooks import cell_directives, cell_source, learner_modules, read_notebook, repo_root
-from .release import student_notebook
+from .release import KERNELSPEC, student_notebook
 
 # %% ../../nbs/98m_site.ipynb #917e9657
 class SiteError(TinycompError):
@@ -115,7 +115,8 @@ def page_notebook(nb: dict, key=None, where: str = 'notebook', first: int = 1) -
             if not out['source'].strip() and not out['outputs']: continue
         elif 'attachments' in cell: out['attachments'] = cell['attachments']
         cells.append(out)
-    return {'cells': cells, 'metadata': {'kernelspec': nb.get('metadata', {}).get('kernelspec', {})},
+    language = nb.get('metadata', {}).get('language_info') or {'name': 'python', 'pygments_lexer': 'ipython3'}
+    return {'cells': cells, 'metadata': {'kernelspec': KERNELSPEC, 'language_info': language},   # the code highlighted as Python
             'nbformat': 4, 'nbformat_minor': 5}, exercises
 
 # %% ../../nbs/98m_site.ipynb #8bc257a0
@@ -171,7 +172,8 @@ def write_project(folder, pages: dict, modules: dict):
     (folder / 'conf.py').write_text(CONF_PY, encoding='utf-8')
     for name, nb in pages.items():
         if name == 'index':
-            nb = {**nb, 'cells': nb['cells'] + [{'cell_type': 'markdown', 'metadata': {}, 'source': navigation(modules)}]}
+            nav = {'cell_type': 'markdown', 'id': 'navigation', 'metadata': {}, 'source': navigation(modules)}
+            nb = {**nb, 'cells': nb['cells'] + [nav]}
         (folder / f"{name}.ipynb").write_text(json.dumps(nb, ensure_ascii=False), encoding='utf-8')
 
 # %% ../../nbs/98m_site.ipynb #926f0306
@@ -200,8 +202,7 @@ def build_site(out, root=None, jobs: int = 2, timeout: float = 900, log=print) -
         src.mkdir()
         write_project(src, pages, modules)
         log(f"building {len(pages)} pages with Sphinx")
-        cmd = [sys.executable, '-m', 'sphinx', '-b', 'html', '-q', '-j', str(max(1, jobs)), '-d', str(Path(tmp) / 'doctrees'),
-               str(src), str(html)]
+        cmd = [sys.executable, '-m', 'sphinx', '-b', 'html', '-q', '-d', str(Path(tmp) / 'doctrees'), str(src), str(html)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SiteError(f"Sphinx failed (exit code {r.returncode}):\n{(r.stderr or r.stdout)[-3000:]}")
