@@ -37,13 +37,16 @@ setuptools.setup(
     install_requires=cfg['requirements'].split(),
     # learn: what a learner needs to open and run the notebooks; onnx: ONNX export/import and ONNX Runtime
     # (tinycomp.onnx); leaderboard: the web server of `tinycomp leaderboard serve` (Starlette under uvicorn);
-    # dev: everything, to develop and test tinycomp (CI runs every ONNX and leaderboard test; the browser test
+    # site: `tinycomp site`, the course website (Sphinx with the Book theme and MyST-NB, MathJax shipped for offline
+    # pages, a Jupyter kernel to run the notebooks); dev: everything, to develop and test tinycomp (CI runs every ONNX and leaderboard test; the browser test
     # drives the system's Chromium with Playwright, which is only in dev)
     extras_require={'learn': cfg['learn_requirements'].split(),
                     'onnx': cfg['onnx_requirements'].split(),
                     'leaderboard': cfg['leaderboard_requirements'].split(),
+                    'site': cfg['site_requirements'].split(),
                     'dev': cfg['dev_requirements'].split() + cfg['learn_requirements'].split()
-                           + cfg['onnx_requirements'].split() + cfg['leaderboard_requirements'].split()},
+                           + cfg['onnx_requirements'].split() + cfg['leaderboard_requirements'].split()
+                           + cfg['site_requirements'].split()},
     python_requires='>=' + min_python,
     zip_safe=False,
     # the console script, and every subcommand as an entry point (tinycomp.cli finds them in these groups)
