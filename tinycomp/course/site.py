@@ -103,9 +103,10 @@ def _code_without_directives(src: str) -> str:
 def page_notebook(nb: dict, key=None, where: str = 'notebook', first: int = 1) -> tuple:
     "`(page, exercises)`: executed notebook `nb` as its page shows it; `key`: its learner module (None: no exercises)."
     student, exercises = student_notebook(nb, key, where, first=first) if key else (nb, [])
-    cells = []
-    for cell, shown in zip(nb['cells'], student['cells']):
-        src = cell_source(shown)
+    cells, by_id = [], {c.get('id'): c for c in nb['cells']}
+    executed = lambda i, shown: by_id.get(shown.get('id'), shown) if 'id' in shown else nb['cells'][i]
+    for i, shown in enumerate(student['cells']):         # the student version adds cells (the folded hints): match by id
+        cell, src = executed(i, shown), cell_source(shown)
         if 'hide' in cell_directives(src): continue
         out = {'cell_type': cell['cell_type'], 'metadata': {}, 'source': src}
         if 'id' in cell: out['id'] = cell['id']
