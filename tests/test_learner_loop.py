@@ -122,6 +122,7 @@ def test_an_instructors_fresh_inputs_stay_secret(tmp_path):
     cases = [c for c in r.exercises[0].cases if c.status == 'fail']
     assert {c.case for c in cases} == {'fixed', 'fresh'}
     assert all(c.arrays is None and c.detail == '' and c.raw is None for c in cases if c.case == 'fresh')
+    assert all('value' not in d for c in cases if c.case == 'fresh' for d in c.inputs.values())   # not even the scalars
     assert all(c.arrays is not None and 'at q[' in c.detail for c in cases if c.case == 'fixed')
     assert not [p for p in write_repro(r, tmp_path / 'repro') if '.fresh.' in p.name]
 

@@ -247,7 +247,7 @@ def grade(directory, module: str, gradebook, jobs: int = 1, key: bytes = None, k
             try:
                 prepared = prepare_checks(spec, learner_seed(key, spec.key, who, mine))
                 r = grade_notebook(spec, mine, prepared=prepared, spec_ref=spec_ref, sys_path=sys_path, sandbox=sandbox,
-                                   hidden_files=secret, **kw)
+                                   hidden_files=secret, reveal=False, **kw)    # each learner's fresh inputs stay secret
             except GradingError as e: return row(problem=str(e).replace(f"{private}/", ''), submission=sub)
             except Exception as e:  # the gradebook never dies for one learner; the row says so and is graded again
                 return row(problem=f"grader error: {type(e).__name__}: {e}", complete=False, submission=sub)

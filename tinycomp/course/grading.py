@@ -202,14 +202,15 @@ def where(info, line_map, code=True) -> str:
     text = f": `{info['text']}`" if code and info.get('text') else ''
     return f" (in {ref.part}.ipynb, {ref.label(line)}, line {line}{text})"
 
-def _describe_inputs(api: dict) -> dict:
-    "The inputs `api` (as the exercise takes them) for a report: arrays as shape and dtype, other values as they are."
-    return {k: ({'shape': list(v.shape), 'dtype': str(v.dtype)} if isinstance(v, np.ndarray) else {'value': _jsonable(v)})
-            for k, v in api.items()}
+def _describe_inputs(api: dict, values=True) -> dict:
+    "The inputs `api` (as the exercise takes them) for a report: arrays as shape and dtype, other values as they are (or not)."
+    return {k: ({'shape': list(v.shape), 'dtype': str(v.dtype)} if isinstance(v, np.ndarray) else
+                {'value': _jsonable(v)} if values else {'type': type(v).__name__}) for k, v in api.items()}
 
 def _inputs_text(desc) -> str:
     show = lambda v: f"{v:.7g}" if isinstance(v, float) else repr(v)
-    return ', '.join(f"{k}={show(d['value'])}" if 'value' in d else f"{k}{tuple(d['shape'])}" for k, d in desc.items())
+    return ', '.join(f"{k}={show(d['value'])}" if 'value' in d else f"{k}{tuple(d['shape'])}" if 'shape' in d else
+                     f"{k}=<{d['type']}>" for k, d in desc.items())
 
 def _detail(check, inputs, expected, failure) -> str:
     """A failing case spelled out: every input (small arrays in full), the first wrong entry with the inputs at the same
@@ -307,7 +308,7 @@ def _case_result(j, r, line_map, reveal=True) -> CaseResult:
         detail = _detail(j.check, j.inputs, j.expected, failure or {})
         arrays = {'inputs': api, 'expected': dict(j.expected), 'got': {failure['output']: failure['got']}
                   if failure and failure['got'] is not None else {}}
-    return CaseResult(j.check.name, j.case, status, msg, _describe_inputs(api), detail, arrays,   # what the learner's code was given
+    return CaseResult(j.check.name, j.case, status, msg, _describe_inputs(api, reveal or j.case == 'fixed'), detail, arrays,
                       dict(j.inputs) if shown else None)
 
 def parts_of(spec: ModuleSpec, paths) -> list:
