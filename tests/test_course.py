@@ -334,7 +334,7 @@ def test_progress_is_recorded_per_notebook_and_shown(demo, prepared, tmp_path, m
     bad = grade_cells(demo, prepared, tmp_path, replace_cell(SOLUTION_CELLS, 4, '#| export\ndef double(x): return x'))
     record_progress(bad)
     entry = load_progress()['modules']['09'][str(tmp_path.resolve())]
-    assert entry['points'] == 3 and entry['best'] == 5 and entry['exercises']['double'] == [0, 2]
+    assert entry['points'] == 3 and entry['best'] == 5 and entry['exercises']['double'] == [0, 2, 'fail']
     assert [p.name for p in (tmp_path / 'home').iterdir()] == ['progress.json']
     # another notebook (say, the instructor's solutions) is kept apart and does not count for the learner's copy
     (tmp_path / 'elsewhere').mkdir()

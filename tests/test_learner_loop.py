@@ -111,7 +111,7 @@ def test_one_part_notebook_grades_that_part_only_and_progress_keeps_the_rest(tmp
     assert 'in that type it wraps around' in out                # q - zero_point overflowed int8
     kept = next(iter(load_progress()['modules']['04'].values()))
     assert len(kept['exercises']) == 13 and kept['exercises']['dequantize'][0] == 0 and kept['possible'] == 42
-    assert kept['exercises']['calculate_qparams'] == [4.0, 4.0] and kept['exercises']['int8_matmul'] == [0.0, 4.0]
+    assert kept['exercises']['calculate_qparams'] == [4.0, 4.0, 'pass'] and kept['exercises']['int8_matmul'] == [0.0, 4.0, 'todo']
 
 
 @pytest.mark.grader
@@ -154,7 +154,7 @@ def test_hints_come_one_at_a_time(tmp_path, monkeypatch, capsys):
         hint_command('04.3')
         seen.append(capsys.readouterr().out)
     assert 'The approach (1 of' in seen[0] and 'Hint 1 (2 of' in seen[1] and 'Hint 1' not in seen[0]
-    assert 'that is every hint' in seen[-1] and 'run `tinycomp hint 04.3` again' in seen[0]
+    assert 'that is every hint' in seen[-1] and 'more: run `tinycomp hint 04.3`' in seen[0]
     hint_command('04.3', again=True)
     assert capsys.readouterr().out.count(' of ') >= n
     with pytest.raises(GradingError, match='not one exercise'): hint_command('04a')

@@ -42,11 +42,13 @@ def _explain_mask(i, expected, got, k, idx):
     if e == g: return f"{k} prunes the right number ({e}) but not the right entries: the smallest |w| go first"
     says = f"{k}: expected {e} of {expected[k].size} entries pruned (0 in the mask), got {g}"
     if 'is_count' in i and int(i['is_count']): return says
-    total = sum(v.size for n, v in i.items() if n.startswith('w'))
-    a = float(i['amount'])
-    rounded = round(a * total)
-    return (says + f"; amount x weights = {a:g} x {total} = {a * total:g}, which rounds to {rounded}"
-            + (f" (not {int(a * total)}: round, do not truncate)" if rounded != int(a * total) else ''))
+    masks = [n for n in expected if n.startswith('mask') and n in got]     # global pruning counts over every mask
+    e_all, g_all = sum(pruned(expected[n]) for n in masks), sum(pruned(got[n]) for n in masks)
+    total, a = sum(v.size for n, v in i.items() if n.startswith('w')), float(i['amount'])
+    says += (f"; in all, expected {e_all}, got {g_all}" if len(masks) > 1 else '') + \
+            f"; amount x weights = {a:g} x {total} = {a * total:g}, which rounds to {round(a * total)} (Python's round)"
+    truncated = g_all == int(a * total) != round(a * total)
+    return says + (f", not {int(a * total)}: round, do not truncate" if truncated else '')
 
 _L1 = {'amount': lambda a: a[()], 'is_count': lambda a: HIDDEN}      # an int amount is a count, a float a fraction
 

@@ -20,8 +20,9 @@ _DECODE = {'dtype': lambda a: _DTYPES[int(a)], 'symmetric': bool, 'has_bias': bo
 def _ranges(rng):
     lo, hi = -rng.uniform(0.1, 4, 2), rng.uniform(0.1, 4, 2)
     pos = np.sort(rng.uniform(0.5, 3, 2)); neg = -pos[::-1]
-    mins = np.array([lo[0], lo[1], pos[0], neg[0], 0.0, -1e-3 * rng.uniform(1, 2)], np.float32)
-    maxs = np.array([hi[0], hi[1], pos[1], neg[1], 0.0, 1e-3 * rng.uniform(1, 2)], np.float32)
+    tiny = 1e-40 * rng.uniform(1, 2)                                 # a scale from it underflows: scale 1
+    mins = np.array([lo[0], lo[1], pos[0], neg[0], 0.0, -1e-3 * rng.uniform(1, 2), -tiny], np.float32)
+    maxs = np.array([hi[0], hi[1], pos[1], neg[1], 0.0, 1e-3 * rng.uniform(1, 2), tiny], np.float32)
     return mins, maxs
 
 def _qparams_inputs(dtype, symmetric):
@@ -52,11 +53,14 @@ def _explain_rounding(i, expected, got, k, idx):
     "Why a quantized entry is off: a tie rounded the wrong way, or a value beyond the range not clamped."
     r, zp = float(np.float32(i['x'][idx]) / np.float32(i['scale'])), int(i['zero_point'])
     qmin, qmax = _RANGES[_DTYPES[int(i['dtype'])]]
-    if r % 1 == 0.5:
+    e, g, unclamped = int(expected[k][idx]), int(got[k][idx]), int(np.round(r)) + zp
+    if not qmin <= unclamped <= qmax:
+        return (f"round(x / scale) + zero_point = {unclamped} is outside [{qmin}, {qmax}]: it must be clamped to {e}"
+                + (f" (yours gave {g}: not clipped" + (", then wrapped around by the cast)" if g != unclamped else ")")
+                   if g not in (qmin, qmax) else ""))
+    if r % 1 == 0.5 and abs(g - e) == 1:
         return (f"x / scale = {r:g} lies exactly halfway between {r - 0.5:g} and {r + 0.5:g}: the reference rounds half "
-                f"to even (np.round gives {np.round(r):g}, then + zero_point = {int(expected[k][idx])})")
-    if int(expected[k][idx]) in (qmin, qmax):
-        return f"round(x / scale) + zero_point = {int(np.round(r)) + zp} is outside [{qmin}, {qmax}]: it must be clamped"
+                f"to even (np.round gives {np.round(r):g}, then + zero_point = {e})")
     return None
 
 def _run_quantize(ns, i):

@@ -117,7 +117,9 @@ def run_step(step: Step, mine: dict, yours, reference):
     t0, module = time.perf_counter(), mine.get(step.module)
     if isinstance(module, str): step.why = module
     elif (todo := unfinished(module, step.module) if module is not None else []) and set(todo) & set(step.exercises):
-        step.why = f"your {', '.join(sorted(set(todo) & set(step.exercises)))} not done yet"
+        missing = sorted(set(todo) & set(step.exercises))
+        done = [e for e in step.exercises if e not in missing]
+        step.why = f"your {', '.join(missing)} not done yet" + (f", so your {', '.join(done)} did not run either" if done else '')
     else:
         try:
             with patched(module): out = yours(module)
@@ -145,7 +147,11 @@ class Capstone:
                         + (f"  ({s.why})" if s.why else ''))
         return '\n'.join(rows)
     @property
-    def yours(self) -> list: return [s.name for s in self.steps if s.ran == 'your code']
+    def yours(self) -> list:
+        "The steps that ran your exercises (a step without exercises, such as making pruning permanent, does not count)."
+        return [s.name for s in self.steps if s.ran == 'your code']
+    @property
+    def graded_steps(self) -> list: return [s.name for s in self.steps if s.exercises]
 
 def capstone(folders=None, amount=0.5, epochs=1, seed=0) -> Capstone:
     """Compress the pretrained `digits_cnn_wide` with your modules 04-06: prune `amount` of its weights with your

@@ -218,7 +218,8 @@ def _detail(check, inputs, expected, failure) -> str:
     api = check.api_inputs(inputs)
     small = any(isinstance(v, np.ndarray) and v.size <= SMALL for v in api.values())    # else the line above says it all
     lines = ['inputs: ' + ', '.join(f"{k}={show_value(v)}" for k, v in api.items())] if small else []
-    k, idx, got = failure.get('output'), failure.get('index'), failure.get('got')
+    k, idx, outputs = failure.get('output'), failure.get('index'), failure.get('got') or {}
+    got = outputs.get(k)
     if k is None or k not in expected: return '\n'.join(lines)
     exp = expected[k]
     if idx is not None and exp.ndim:
@@ -233,7 +234,7 @@ def _detail(check, inputs, expected, failure) -> str:
         lines.append(f"expected {row} = {around(exp, idx)}")
         lines.append(f"     got {row} = {failure['window'] if got is None else around(got, idx)}")
     if check.explain is not None and got is not None:
-        try: why = check.explain(check.visible(inputs), expected, {k: got}, k, idx)
+        try: why = check.explain(check.visible(inputs), expected, outputs, k, idx)
         except Exception: why = None       # an explanation that does not apply to this mistake is left out
         if why: lines.append(f"why: {why}")
     return '\n'.join(lines)
@@ -285,8 +286,8 @@ def _compared(j, r) -> dict:
         ok, msg, k, idx = first_difference(j.expected, got, j.check)
         verdict = ('pass' if ok else 'fail'), msg
         if not ok and k in got and got[k].shape == j.expected[k].shape:
-            small = got[k].size <= KEEP
-            failure = {'output': k, 'index': idx, 'got': np.array(got[k]) if small else None,
+            small = got[k].size <= KEEP        # kept: every output this small (an explanation may need them all)
+            failure = {'output': k, 'index': idx, 'got': {n: np.array(v) for n, v in got.items() if n in j.expected and v.size <= KEEP},
                        'window': None if small or idx is None else around(got[k], idx)}
     return {k: v for k, v in r.items() if k != 'arrays'} | {'verdict': verdict, 'failure': failure}
 
@@ -306,8 +307,7 @@ def _case_result(j, r, line_map, reveal=True) -> CaseResult:
     detail, arrays = '', None
     if shown:
         detail = _detail(j.check, j.inputs, j.expected, failure or {})
-        arrays = {'inputs': api, 'expected': dict(j.expected), 'got': {failure['output']: failure['got']}
-                  if failure and failure['got'] is not None else {}}
+        arrays = {'inputs': api, 'expected': dict(j.expected), 'got': failure['got'] if failure else {}}
     return CaseResult(j.check.name, j.case, status, msg, _describe_inputs(api, reveal or j.case == 'fixed'), detail, arrays,
                       dict(j.inputs) if shown else None)
 
@@ -465,5 +465,5 @@ def replay(path, namespace: dict) -> dict:
     got = {k: np.asarray(v) for k, v in out.items()}
     ok, msg, k, idx = first_difference(expected, got, check)
     print(f"check {check.id} ({stored['case']} inputs): " + ('passes now' if ok else msg))
-    if not ok: print(textwrap.indent(_detail(check, inputs, expected, {'output': k, 'index': idx, 'got': got.get(k)}), '  '))
+    if not ok: print(textwrap.indent(_detail(check, inputs, expected, {'output': k, 'index': idx, 'got': got}), '  '))
     return {'inputs': check.api_inputs(inputs), 'expected': expected, 'got': got}

@@ -43,12 +43,12 @@ def record_progress(report: Report, path=None) -> dict:
     if not isinstance(per_module, dict) or 'points' in per_module: per_module = data['modules'][report.module] = {}
     key = notebook_key(report)
     prev = per_module.get(key, {}) if isinstance(per_module.get(key), dict) else {}
-    graded = {e.name: [0.0 if report.error else e.points, e.possible] for e in report.exercises}
+    graded = {e.name: [0.0 if report.error else e.points, e.possible, 'error' if report.error else e.status] for e in report.exercises}
     spec = modules().get(report.module)
     if report.selection and spec is not None:      # one exercise or part: the others keep their last score
         kept = prev.get('exercises') if isinstance(prev.get('exercises'), dict) else {}
-        graded = {n: graded.get(n) or kept.get(n) or [0.0, p] for n, p in spec.points_by_exercise().items()}
-    points = float(sum(p for p, _ in graded.values()))
+        graded = {n: graded.get(n) or kept.get(n) or [0.0, p, 'todo'] for n, p in spec.points_by_exercise().items()}
+    points = float(sum(v[0] for v in graded.values()))
     possible = spec.possible if spec is not None else report.possible
     per_module[key] = {'points': points, 'possible': possible, 'passed': points == possible and not report.error,
                        'date': datetime.datetime.now().isoformat(timespec='seconds'), 'time': time.time(),
@@ -79,12 +79,13 @@ def status(path=None, specs=None, root=None, detail=True) -> int:
         e = entries[pick]
         mark = '  all pass' if e.get('passed') else ''
         print(f"{label:<{w}}{_fmt(e.get('points', 0)) + '/' + _fmt(spec.possible):>12}{_fmt(e.get('best', 0)):>8}  "
-              f"{e.get('date', '?')}{mark}")
+              f"{str(e.get('date', '?')).replace('T', ' ')}{mark}")
         if pick != own: print(f"{'':<{w}}(graded: {pick})")
         if detail:
             for i, name in enumerate(spec.exercise_names()):
-                got, possible = (e.get('exercises', {}).get(name) or [0, spec.points_by_exercise()[name]])
-                tick = 'ok' if got == possible else ('..' if got == 0 else '~')
+                got, possible, *how = (e.get('exercises', {}).get(name) or [0, spec.points_by_exercise()[name]])
+                tick = 'ok' if got == possible else '~' if got else 'x' if how and how[0] not in ('todo', 'grader') else '..'
                 print(f"    {key + '.' + str(i + 1):<7}{name:<{wx}} {_fmt(got):>4}/{_fmt(possible):<4} {tick}")
+    if detail: print("(ok: passes; ~: some checks pass; x: fails or raises; ..: not done yet or not graded)")
     print(f"(progress file: {path or progress_path()}; set TINYCOMP_HOME to keep it elsewhere)")
     return 0
