@@ -250,7 +250,7 @@ def hint_path() -> Path:
 def hint_command(what: str, again: bool = False) -> int:
     "Print the next hint of exercise `what` ('04.2'): the approach first, then each hint; `again`: those seen so far."
     import inspect
-    from .release import exercise_help
+    from .release import exercise_help, help_items
     from .spec import reference_namespace
     try: spec, names, label = parse_target(what)
     except GradingError: names = None
@@ -259,8 +259,7 @@ def hint_command(what: str, again: bool = False) -> int:
     name = names[0]
     obj = getattr(reference_namespace(spec), name.split('.')[0])
     if '.' in name: obj = getattr(obj, name.split('.', 1)[1])
-    h = exercise_help(inspect.getdoc(obj))
-    items = ([('The approach', h['approach'])] if h['approach'] else []) + [(f"Hint {i + 1}", t) for i, t in enumerate(h['hints'])]
+    h, items = exercise_help(inspect.getdoc(obj)), help_items(inspect.getdoc(obj))
     if not items: print(f"Exercise {label} {name} has no hints: its docstring's TODO says what to build."); return 0
     path = hint_path()
     try: seen = json.loads(path.read_text())

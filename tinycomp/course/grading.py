@@ -148,7 +148,8 @@ def _jsonable(x):
     "`x` with its arrays as `{'dtype', 'shape', 'data'}` (nested lists), so that it can be written as JSON."
     if isinstance(x, dict): return {k: _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)): return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray): return {'dtype': str(x.dtype), 'shape': list(x.shape), 'data': x.tolist()}
+    if isinstance(x, np.ndarray):             # an array too large to read as JSON keeps its shape (--repro has it all)
+        return {'dtype': str(x.dtype), 'shape': list(x.shape)} | ({'data': x.tolist()} if x.size <= KEEP else {})
     if isinstance(x, np.generic): return x.item()
     return x
 
