@@ -10,7 +10,8 @@ from ..lazy import lazy_attributes
 
 _PARTS = {
     'timing': ('add_measure_options', 'blas_threads', 'check_threads', 'latency_stats', 'measure_times', 'optional_torch',
-               'positive_int', 'set_threads', 'thread_info', 'threads_arg', 'time_fn', 'usable_cores', 'using_threads'),
+               'positive_int', 'set_threads', 'thread_info', 'threads_arg', 'time_fn', 'time_interleaved', 'usable_cores',
+               'using_threads'),
     'counting': ('PROFILE_COLUMNS', 'Profile', 'activation_bytes', 'conv2d_flops', 'layer_cost', 'output_shape',
                  'profile_model', 'trace_events'),
     'hardware': ('attainable_flops', 'auto_adjust_batch_size', 'batch_sweep', 'bound', 'build_hardware_profile',
