@@ -18,7 +18,7 @@ from .validation import SubmissionRejected, validate_model_bytes
 __all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store']
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #4cc69e10
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 MIGRATIONS = [
     # 1: the tables
@@ -39,6 +39,32 @@ MIGRATIONS = [
         seconds REAL NOT NULL, raw TEXT NOT NULL, scores TEXT NOT NULL)""",
     # 2: rate limits and histories look submissions up by participant and time
     "CREATE INDEX submissions_by_participant ON submissions (participant_id, created)",
+    # 4: a duplicate is the same model (model_sha256, see `model_fingerprint`), not the same bytes: submissions.sha256
+    # is no longer UNIQUE (SQLite drops a constraint by rebuilding the table; the measurements that reference it are
+    # set aside meanwhile); and the instructor's removals and restorations keep their reasons
+    """CREATE TEMP TABLE measurements_kept AS SELECT * FROM measurements;
+    DELETE FROM measurements;
+    CREATE TABLE submissions_new (id INTEGER PRIMARY KEY, participant_id INTEGER NOT NULL REFERENCES participants(id),
+        task_id INTEGER NOT NULL REFERENCES tasks(id), sha256 TEXT NOT NULL REFERENCES files(sha256),
+        created REAL NOT NULL, status TEXT NOT NULL
+            CHECK (status IN ('queued', 'measuring', 'measured', 'failed', 'removed')),
+        attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, file_bytes INTEGER NOT NULL, unpacked_bytes INTEGER NOT NULL,
+        params INTEGER NOT NULL, flops INTEGER NOT NULL, kind TEXT NOT NULL, started REAL, finished REAL,
+        model_sha256 TEXT);
+    INSERT INTO submissions_new (id, participant_id, task_id, sha256, created, status, attempts, reason, file_bytes,
+        unpacked_bytes, params, flops, kind, started, finished)
+        SELECT id, participant_id, task_id, sha256, created, status, attempts, reason, file_bytes, unpacked_bytes,
+        params, flops, kind, started, finished FROM submissions;
+    DROP TABLE submissions;
+    ALTER TABLE submissions_new RENAME TO submissions;
+    CREATE INDEX submissions_by_participant ON submissions (participant_id, created);
+    CREATE INDEX submissions_by_model ON submissions (model_sha256);
+    INSERT INTO measurements SELECT * FROM measurements_kept;
+    DROP TABLE measurements_kept;
+    CREATE TABLE instructor_actions (id INTEGER PRIMARY KEY,
+        submission_id INTEGER NOT NULL REFERENCES submissions(id),
+        action TEXT NOT NULL CHECK (action IN ('remove', 'restore')), reason TEXT NOT NULL, created REAL NOT NULL);
+    CREATE INDEX instructor_actions_by_submission ON instructor_actions (submission_id)""",
 ]
 
 def _schema_version(c) -> int:

@@ -17,7 +17,7 @@ from ..nn.modules import parameter_counts
 from ..benchmarking.stages import model_kind
 
 # %% auto #0
-__all__ = ['SubmissionRejected', 'model_fingerprint', 'validate_model_bytes']
+__all__ = ['SubmissionRejected', 'model_fingerprint', 'validate_model_bytes', 'model_file_fingerprint']
 
 # %% ../../nbs/97c_leaderboard_validation.ipynb #0a0ca70a
 class SubmissionRejected(TinycompError):
@@ -26,7 +26,7 @@ class SubmissionRejected(TinycompError):
         super().__init__(reason)
         self.status, self.reason = int(status), reason
 
-# %% ../../nbs/97c_leaderboard_validation.ipynb #f175ed21
+# %% ../../nbs/97c_leaderboard_validation.ipynb #cf97d21c
 def model_fingerprint(model) -> str:
     """The sha256 of what `model` is: its layer tree (types, configs, children) and every array (name, dtype, shape,
     bytes) in name order. A file's free metadata and the way it was written do not change it."""
@@ -73,3 +73,10 @@ def validate_model_bytes(data: bytes, sample, n_classes: int, limits: dict) -> d
                                           f"{int(limits['max_flops']):,}")
         return dict(params=int(params), flops=int(prof.flops), unpacked_bytes=int(unpacked), file_bytes=len(data),
                     kind=model_kind(model)[0], uncounted=prof.uncounted, model_sha256=fingerprint)
+
+def model_file_fingerprint(data: bytes, max_unpacked_bytes=None) -> str:
+    "`model_fingerprint` of the model in the file `data` (bytes), loaded with every check of `tinycomp.io.load`."
+    with _VALIDATION_LOCK, tempfile.TemporaryDirectory(prefix='tinycomp-lb-') as d:
+        p = Path(d) / 'model.npz'
+        p.write_bytes(data)
+        return model_fingerprint(tio.load(p, max_bytes=max_unpacked_bytes))
