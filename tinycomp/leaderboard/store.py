@@ -4,7 +4,7 @@
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #12d451bf
 from __future__ import annotations
-import contextlib, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
+import contextlib, csv, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,7 @@ from ..models import pretrained_path
 from .validation import SubmissionRejected, validate_model_bytes
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store']
+__all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store', 'read_class_list']
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #4cc69e10
 SCHEMA_VERSION = 3
@@ -311,7 +311,8 @@ def _issue_token(self, name) -> str:
             c.execute("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
                       (name, _sha256(token.encode()), _now()))
     except sqlite3.IntegrityError:
-        raise TinycompError(f"a participant named {name!r} already exists; choose another display name") from None
+        raise TinycompError(f"a participant named {name!r} already exists; choose another display name, or give them a "
+                            "new token with `tinycomp leaderboard token NAME --new` (their old one stops working)") from None
     return token
 
 def _participant(self, token) -> dict | None:
@@ -321,3 +322,65 @@ def _participant(self, token) -> dict | None:
     return rows[0] if rows else None
 
 Store.init, Store.task, Store.issue_token, Store.participant = _init, _task, _issue_token, _participant
+
+# %% ../../nbs/97d_leaderboard_store.ipynb #1a7ebc0b
+def _reissue_token(self, name) -> str:
+    "A new token for the registered participant `name`; their old token stops working at once. Returns the new one."
+    token = secrets.token_urlsafe(32)
+    with self.tx() as c:
+        changed = c.execute("UPDATE participants SET token_sha256 = ? WHERE name = ?",
+                            (_sha256(token.encode()), _check_name(name))).rowcount
+    if not changed:
+        raise TinycompError(f"no participant named {name!r}; register them with `tinycomp leaderboard token NAME` "
+                            "(without --new)")
+    return token
+
+def read_class_list(path) -> list:
+    """The display names of a class list: a CSV file whose first line names its columns, one of them `name` (others,
+    such as an email, are ignored). Raises `TinycompError` listing every problem: a missing column, empty, invalid or
+    repeated names."""
+    path = Path(path)
+    if not path.is_file(): raise TinycompError(f"no class list at {path}")
+    try: text = path.read_text(encoding='utf-8-sig')
+    except UnicodeDecodeError: raise TinycompError(f"{path} is not UTF-8 text; save the class list as CSV (UTF-8)") from None
+    rows = csv.DictReader(io.StringIO(text))
+    columns = [c.strip().lower() for c in rows.fieldnames or []]
+    if 'name' not in columns:
+        raise TinycompError(f"{path} has no 'name' column (its first line names the columns: "
+                            f"{', '.join(map(repr, columns)) or 'none, the file is empty'}); add a first line such as 'name'")
+    rows.fieldnames = columns
+    names, problems, seen = [], [], {}
+    for row in rows:
+        raw = row.get('name') or ''
+        try: name = _check_name(raw)
+        except TinycompError as e:
+            problems.append(f"line {rows.line_num}: " + ("empty name" if not raw.strip() else str(e))); continue
+        key = name.casefold()
+        if key in seen: problems.append(f"line {rows.line_num}: {name!r} is already on line {seen[key]}"); continue
+        seen[key] = rows.line_num
+        names.append(name)
+    if not names and not problems: problems.append("no names (only the first line)")
+    if problems: raise TinycompError(f"{path}: " + '; '.join(problems) + "; nothing was registered")
+    return names
+
+def _issue_tokens(self, names) -> dict:
+    """Register every display name in `names` (as `issue_token`) in one transaction: {name: token}. If any name is
+    invalid, repeated or already registered, nobody is registered and the `TinycompError` lists them all."""
+    names = [_check_name(n) for n in names]
+    taken = {r['name'].casefold(): r['name'] for r in self.query("SELECT name FROM participants")}
+    clash = [n for n in names if n.casefold() in taken]
+    repeated = sorted({n for n in names if [m.casefold() for m in names].count(n.casefold()) > 1})
+    if repeated: raise TinycompError(f"the names to register repeat {', '.join(map(repr, repeated))}; nothing was registered")
+    if clash:
+        raise TinycompError(f"already registered: {', '.join(map(repr, clash))} (their tokens are unchanged; "
+                            "`tinycomp leaderboard token NAME --new` replaces one); nothing was registered")
+    tokens = {n: secrets.token_urlsafe(32) for n in names}
+    try:
+        with self.tx() as c:
+            c.executemany("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
+                          [(n, _sha256(t.encode()), _now()) for n, t in tokens.items()])
+    except sqlite3.IntegrityError:                      # registered by someone else meanwhile
+        raise TinycompError("a name was registered meanwhile; nothing was registered, try again") from None
+    return tokens
+
+Store.reissue_token, Store.issue_tokens = _reissue_token, _issue_tokens

@@ -200,7 +200,7 @@ def _remove(self, sid, reason) -> dict:
 Store._subset, Store.entries, Store.leaderboard, Store.submission, Store.history = _subset, _entries, _leaderboard, _submission, _history
 Store.close, Store.remove = _close, _remove
 
-# %% ../../nbs/97e_leaderboard_submissions.ipynb #9b77f1ec
+# %% ../../nbs/97e_leaderboard_submissions.ipynb #cad4f880
 def _instructor_actions(self, sid=None) -> list:
     "The instructor's removals and restorations, oldest first (of submission `sid`, or of all): submission_id, action, reason, date."
     where, args = ("WHERE submission_id = ?", (int(sid),)) if sid is not None else ('', ())
