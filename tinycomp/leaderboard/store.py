@@ -323,7 +323,7 @@ def _participant(self, token) -> dict | None:
 
 Store.init, Store.task, Store.issue_token, Store.participant = _init, _task, _issue_token, _participant
 
-# %% ../../nbs/97d_leaderboard_store.ipynb #1a7ebc0b
+# %% ../../nbs/97d_leaderboard_store.ipynb #8de8c69e
 def _reissue_token(self, name) -> str:
     "A new token for the registered participant `name`; their old token stops working at once. Returns the new one."
     token = secrets.token_urlsafe(32)
