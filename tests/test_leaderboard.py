@@ -1,5 +1,6 @@
 """tinycomp.leaderboard (scoring, validation, store, submissions, worker, page, cli): scoring, ranking, the store,
 acceptance and limits, the worker, the page, the CLI."""
+import copy
 import json
 import math
 import os
@@ -157,10 +158,18 @@ def files(tmp_path_factory):
     int8 = run_stage('quantize_static', base, {}, ctx)
     out = dict(dir=d, task=d / 'task.npz', baseline=pretrained_path('digits_cnn'))
     out['int8'] = tio.save(int8, d / 'int8.npz')
-    for i in range(3):                                      # the same model, different bytes
-        out[f'int8_{i}'] = tio.save(int8, d / f'int8_{i}.npz', metadata={'copy': i})
-    out['float'] = tio.save(base, d / 'float.npz', metadata={'copy': 'float'})
+    for i in range(3):                                      # three more models: the baseline nudged, then quantized
+        out[f'int8_{i}'] = tio.save(run_stage('quantize_static', nudged(base, i + 1), {}, ctx), d / f'int8_{i}.npz')
+    out['float'] = tio.save(nudged(base, 10), d / 'float.npz', metadata={'copy': 'float'})   # not the baseline itself
     return out
+
+
+def nudged(model, k):
+    "A copy of `model` with its first weight scaled by 1 - k/1000: another model, as accurate."
+    m = copy.deepcopy(model)
+    w = next(iter(m.parameters()))
+    w.data = w.data * np.float32(1 - k / 1000)
+    return m
 
 
 def make_store(tmp_path, files, **settings):
@@ -186,7 +195,7 @@ def test_store_is_wal_versioned_and_migrates(tmp_path):
     assert not c.execute("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'").fetchall()
     c.close()
     s = lb.open_store(tmp_path / 'old.db')
-    assert int(s._meta('schema_version')) == 2
+    assert int(s._meta('schema_version')) == lb.SCHEMA_VERSION
     assert s.query("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'")
     with s.tx() as c: c.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     s.disconnect()
@@ -278,9 +287,9 @@ def test_accept_queues_and_every_refusal_writes_nothing(tmp_path, files, monkeyp
     assert sub['status'] == 'queued' and sub['name'] == 'ann' and sub['file_bytes'] == len(data) and sub['kind'] == 'quantized'
     assert s.query("SELECT sha256 FROM files WHERE size = ?", (len(data),))[0]['sha256'] == sub['sha256']
     before = (count(s), count(s, 'files'))
-    refused(409, f"already submitted as entry #{sub['id']}", tok, data)
+    refused(409, f"you already submitted this model as your entry #{sub['id']}", tok, data)
     other = s.issue_token('ben')
-    refused(409, f"entry #{sub['id']}", other, data)       # someone else's copy of the same file
+    assert s.accept(other, data)['name'] == 'ben'           # someone else's copy of the same file: their own entry
 
 
 def hostile(tmp_path, files, name, edit_manifest=None, edit_arrays=None):
@@ -355,10 +364,10 @@ def test_rate_limit_says_when_the_next_submission_is_allowed(tmp_path, files):
 def test_concurrent_acceptance_never_refuses_a_valid_file(tmp_path, files):
     "CPython gh-106905: .npy header parsing in parallel threads once raised SystemError; validation holds a lock."
     s = make_store(tmp_path, files, rate_per_day=0)
-    model = tio.load(files['int8'])
+    models = [nudged(load_pretrained('digits_cnn'), j + 1) for j in range(5)]
     blobs = []
-    for i in range(40):
-        tio.save(model, tmp_path / 'c.npz', metadata={'i': i})
+    for i in range(40):                                     # each participant sends five models, classmates the same ones
+        tio.save(models[i % 5], tmp_path / 'c.npz', metadata={'i': i})
         blobs.append((tmp_path / 'c.npz').read_bytes())
     tokens = [s.issue_token(f'user{i}') for i in range(8)]
     errors, ids = [], []
@@ -534,7 +543,7 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     out = capsys.readouterr().out
     assert 'accepted as #1' in out and 'measured' in out and 'score' in out and 'closed track' in out
     assert main(['submit', str(files['int8']), '--local', '--db', db]) == 2
-    assert 'tinycomp: error: submission refused (409): this exact file was already submitted as entry #1' in capsys.readouterr().err
+    assert 'tinycomp: error: submission refused (409): you already submitted this model as your entry #1' in capsys.readouterr().err
     assert main(['submit', str(files['float']), '--local', '--db', db, '--token', 'bad']) == 2
     assert '(401)' in capsys.readouterr().err
     assert main(['leaderboard', 'show', '--db', db, '--json']) == 0
