@@ -227,9 +227,9 @@ def _restore(self, sid, reason) -> dict:
         if twin:
             raise TinycompError(f"submission #{sid} holds the same model as the same participant's entry #{twin['id']}; "
                                 "a participant's model is ranked once, so remove that one first")
-        measured = c.execute("SELECT 1 FROM measurements WHERE submission_id = ?", (int(sid),)).fetchone()
-        c.execute("UPDATE submissions SET status = ?, reason = NULL, started = NULL WHERE id = ?",
-                  ('measured' if measured else 'queued', int(sid)))
+        if c.execute("SELECT 1 FROM measurements WHERE submission_id = ?", (int(sid),)).fetchone():
+            c.execute("UPDATE submissions SET status = 'measured', reason = NULL WHERE id = ?", (int(sid),))
+        else: c.execute("UPDATE submissions SET status = 'queued', reason = NULL, started = NULL WHERE id = ?", (int(sid),))
         c.execute("INSERT INTO instructor_actions (submission_id, action, reason, created) VALUES (?, 'restore', ?, ?)",
                   (int(sid), reason, _now()))
     return self.submission(sid)
