@@ -56,7 +56,7 @@ def unreachable(base, e) -> TinycompError:
         return TinycompError(f"the server at {base} does not speak HTTPS: use http://{base[len('https://'):]}")
     return TinycompError(f"cannot reach the leaderboard server at {base}: {why}")
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #e713f3cd
+# %% ../../nbs/97h_leaderboard_client.ipynb #6fef21c1
 _ONNX_SECOND_FIELDS = {0x12, 0x1a, 0x22, 0x28, 0x32, 0x3a, 0x42}   # ModelProto fields 2-8, after ir_version (field 1)
 
 def foreign_format(path) -> str | None:
@@ -85,7 +85,7 @@ def check_model_file(path) -> Path:
                             "the DIR/MODEL.npz it writes")
     return path
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #f2217b3e
+# %% ../../nbs/97h_leaderboard_client.ipynb #f7adce88
 SMALL_UPLOAD = 1 << 20      # up to this many bytes: no bar, one line once the server has answered
 
 def _upload(path, size, url, token, progress, base, chunk=64 << 10) -> dict:
@@ -111,7 +111,7 @@ def _upload(path, size, url, token, progress, base, chunk=64 << 10) -> dict:
             raise TinycompError(f"the upload to {url} failed: {getattr(e, 'reason', e)} (check the address; if the "
                                 "server restarted, submit again: a file it already accepted is answered with its entry)") from None
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #5371d357
+# %% ../../nbs/97h_leaderboard_client.ipynb #2ea02656
 def ordinal(n: int) -> str:
     "1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
@@ -133,7 +133,7 @@ def status_line(sub) -> str:
         return f"submission #{sid} measuring" + (f" ({_about(wait)})" if wait is not None else '')
     return f"submission #{sid} {status}"
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #b4a47288
+# %% ../../nbs/97h_leaderboard_client.ipynb #e6b963ae
 def _clock() -> str: return time.strftime('%H:%M:%S')
 
 def _wait(base, sub, log, timeout, poll, patience) -> dict:
@@ -168,7 +168,7 @@ def _wait(base, sub, log, timeout, poll, patience) -> dict:
                                 f"result will appear at {url} and on the page {base}/ (or run `tinycomp submissions "
                                 f"--server {base}`)") from None
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #c0998f32
+# %% ../../nbs/97h_leaderboard_client.ipynb #fabd2c80
 def place_of(sub, board) -> dict:
     """{'baseline': name, 'split', 'tracks': {track: None or {rank, of, tied, band, entry, why}}, 'standing': line or None}:
     where the learner of submission `sub` stands on each track of `board` (a leaderboard as the server sends it)."""
@@ -177,11 +177,11 @@ def place_of(sub, board) -> dict:
         mine = next((r for r in rows if r.get('participant_id') == sub.get('participant_id')), None)
         tracks[track] = None if mine is None else dict(rank=mine['rank'], of=len(rows), tied=bool(mine.get('tied')),
                                                        band=mine.get('band'), entry=mine['id'], why=mine.get('why'))
-    standing = (board.get('standing') or {}).get(str(sub['id']))
+    standing = {str(k): v for k, v in (board.get('standing') or {}).items()}.get(str(sub['id']))
     return dict(baseline=(board.get('baseline') or {}).get('name'), split=board.get('split'), tracks=tracks,
                 standing=standing)
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #f2b1f403
+# %% ../../nbs/97h_leaderboard_client.ipynb #11c4da18
 def _stderr(msg): print(msg, file=sys.stderr, flush=True)
 
 def _server_info(base) -> dict:
