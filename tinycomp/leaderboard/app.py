@@ -98,7 +98,7 @@ class VersionedCache:
         with self._lock: self._items[name] = (version, value)
         return value
 
-# %% ../../nbs/97i_leaderboard_app.ipynb #50eca672
+# %% ../../nbs/97i_leaderboard_app.ipynb #356b2c5b
 RECENT_JOBS = 25         # the expected wait uses the median time of this many latest measurements
 
 def typical_job_seconds(store) -> float | None:
@@ -120,7 +120,7 @@ def waiting_info(store, sub, now=None) -> dict:
     ahead = store.query("SELECT count(*) AS n FROM submissions WHERE status = 'queued' AND id < ?", (sub['id'],))[0]['n']
     return dict(queue_position=ahead + 1, expected_wait_s=None if job is None else ahead * job + sum(map(left, running)))
 
-# %% ../../nbs/97i_leaderboard_app.ipynb #ebd92e09
+# %% ../../nbs/97i_leaderboard_app.ipynb #292b116f
 _OWN_METRICS = ('accuracy', 'accuracy_ci', 'n', 'baseline_accuracy', 'dacc_points', 'p_value', 'gate', 'latency_ms',
                 'speedup_at', 'speedup', 'speedup_ci', 'rel_latency', 'compression', 'score', 'score_ci', 'flags')
 
@@ -216,11 +216,15 @@ def make_app(db_path, max_body: int | None = None):
         except ClientDisconnect:
             return refuse(400, "the upload was interrupted before the whole file arrived")
         if not data: return refuse(400, "empty request body: send the model file as the body")
-        try: row = await run_in_threadpool(store.accept, token, data)
+        try: row = await run_in_threadpool(accept_now, token, data)
         except SubmissionRejected as e: return refuse(e.status, e.reason)
         except TinycompError as e:                 # a check the store did not map to a status: the file's fault
             return refuse(422, str(e))
         return answer(_public(row), 202, {'Location': f"/api/submissions/{row['id']}"})
+
+    def accept_now(token, data):
+        row = store.accept(token, data)
+        return dict(row, **waiting_info(store, row))
 
     def submission_now(sid):
         row = store.submission(sid)
