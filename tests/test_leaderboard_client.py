@@ -134,7 +134,7 @@ def test_the_queue_says_its_place_and_the_expected_wait(task, tmp_path, capsys):
         assert 'queue_position' not in get(f"{server.url}/api/submissions/{ids[0]}")[1]     # measured: no wait
         # the client: one line for the upload, then its place and the wait, once each
         run = Submitting(files[3], server.url, ada, progress=False, poll=0.1)
-        assert run.said(r'^uploaded \d+ KiB: accepted as submission #4$')
+        assert run.said(r'^uploaded \d+ KiB: accepted as #4$')
         line = run.said(r'^submission #4 queued')
         assert re.fullmatch(r'submission #4 queued: 3rd in line, its measurement starts in about \d+ s', line), line
         while measure_next(store) is not None: pass
@@ -152,7 +152,7 @@ def test_the_queue_says_its_place_and_the_expected_wait(task, tmp_path, capsys):
         run.join()
         err = capsys.readouterr().err
         assert 'uploaded; the server is checking the file: 100%' in err, err[-500:]
-        assert run.lines[0] == f"uploaded {big.stat().st_size / (1 << 20):.1f} MiB: accepted as submission #5"
+        assert run.lines[0] == f"uploaded {big.stat().st_size / (1 << 20):.1f} MiB: accepted as #5"
     print('\n' + '\n'.join(run.lines))
 
 
@@ -175,9 +175,10 @@ def test_a_server_that_stops_answering_is_said_at_once_and_followed_when_back(ta
         run.join()
         assert run.error is None and run.result['status'] == 'measured', (run.error, run.lines)
         back = next(l for l in run.lines if 'answers again' in l)
-        assert re.fullmatch(r'the server answers again \(after \d+ s without\)', back), back
+        assert re.fullmatch(r'the server answers again \(no answer for \d+ s\)', back), back
         assert run.lines.index(back) > run.lines.index(down)
         server.stop()
+        print('\n' + '\n'.join(run.lines))
         # ... and when it does not come back: a clear end, with where the result will appear
         server = LeaderboardServer(store.path, port=port, worker=False).start()
         run = Submitting(variant(2, tmp_path), url, ada, progress=False, poll=0.2, patience=1.0)
@@ -203,10 +204,10 @@ def test_the_end_of_submit_says_where_your_entries_stand_and_the_baseline(task, 
         submit_remote(variant(2, tmp_path), server.url, bob, progress=False, log=None)
         # a second entry of Ada's, 8 times the bytes for the same model: measured, but her first one stays her best
         padded = variant(3, tmp_path, metadata={'notes': 'x' * 300_000})
-        assert cli_main(['submit', str(padded), '--server', server.url, '--token', ada, '--no-progress']) == 0
+        assert cli_main(['submit', str(padded), '--server', server.url, f'--token={ada}', '--no-progress']) == 0
         out = capsys.readouterr().out
         print(out)
-        assert re.search(rf"score \d\.\d{{3}}", out)
+        assert re.search(r"score \d\.\d{3}", out)
         assert f"  closed track: your best, entry #{first['id']}, is #" in out and ' of 2' in out
         assert "  speedup, compression and score are relative to the task's baseline, baseline.npz (1.0: as fast and " \
                "as small as it)" in out
@@ -249,14 +250,14 @@ def test_a_learner_sees_every_submission_of_their_own_and_nothing_of_anyone_else
         assert get(server.url + '/api/me', bob)[1]['submissions'][0]['id'] == 2 and bob_id != 1
         assert get(server.url + '/api/me')[0] == 401 and get(server.url + '/api/me', 'x' * 43)[0] == 401
         # the command, against the server (an address copied with /api works too) and on the database itself
-        assert submissions_cli(['--server', server.url + '/api', '--token', ada]) == 0
+        assert submissions_cli(['--server', server.url + '/api', f'--token={ada}']) == 0
         out = capsys.readouterr().out
         print(out)
         assert out.startswith("Ada's submissions to digits64 (public scores; every ratio relative to the baseline baseline.npz)")
         assert re.search(r"^#1 \(.+\): measured, score \d\.\d{3}", out, re.M)
         assert '#4 (' in out and 'removed - removed by the instructor: copied from a classmate' in out
         assert re.search(r'^#5 \(.+\): queued: 1st in line', out, re.M) and '! the accuracy gate failed' in out
-        assert submissions_cli(['--local', '--db', str(store.path), '--token', ada]) == 0
+        assert submissions_cli(['--local', '--db', str(store.path), f'--token={ada}']) == 0
         assert capsys.readouterr().out.splitlines()[0] == out.splitlines()[0]
         assert my_submissions(server.url, ada)['submissions'][0]['id'] == 1
         with pytest.raises(TinycompError, match=r'the server refused \(HTTP 401\): unknown token'):
@@ -295,20 +296,20 @@ def test_addresses_and_files_that_are_not_right_are_named_with_what_to_do(task, 
         before = store.query("SELECT count(*) AS n FROM submissions")[0]['n']
         capsys.readouterr()                           # (uvicorn's warning about the TLS handshake it could not read)
         for name, kind in (('net.pt', 'PyTorch'), ('legacy.pth', 'PyTorch'), ('net.onnx', 'ONNX')):
-            assert cli_main(['submit', str(tmp_path / name), '--server', url, '--token', ada]) == 2
+            assert cli_main(['submit', str(tmp_path / name), '--server', url, f'--token={ada}']) == 2
             err = capsys.readouterr().err
             assert err.startswith(f"tinycomp: error: {tmp_path / name} looks like a{'n' if kind == 'ONNX' else ''} "
                                   f"{kind} file, not a tinycomp model file: ") and '`tinycomp import ' in err, err
             print(err.strip())
         assert store.query("SELECT count(*) AS n FROM submissions")[0]['n'] == before
     # `submit --local`: the same file checks, and refusals without HTTP status codes
-    assert cli_main(['submit', str(tmp_path / 'net.onnx'), '--local', '--db', str(store.path), '--token', ada]) == 2
+    assert cli_main(['submit', str(tmp_path / 'net.onnx'), '--local', '--db', str(store.path), f'--token={ada}']) == 2
     assert 'looks like an ONNX file' in capsys.readouterr().err
-    assert cli_main(['submit', str(f), '--local', '--db', str(store.path), '--token', ada]) == 2
+    assert cli_main(['submit', str(f), '--local', '--db', str(store.path), f'--token={ada}']) == 2
     err = capsys.readouterr().err
     assert err == ("tinycomp: error: submission refused: this exact file was already submitted as entry #1; "
                    "duplicates are not measured again\n")
-    assert cli_main(['submit', str(variant(2, tmp_path)), '--local', '--db', str(store.path), '--token', 'nope']) == 2
+    assert cli_main(['submit', str(variant(2, tmp_path)), '--local', '--db', str(store.path), '--token=nope']) == 2
     err = capsys.readouterr().err
     assert 'submission refused: missing or unknown token' in err and not re.search(r'\b(HTTP|401)\b', err), err
 
@@ -331,7 +332,7 @@ def test_submit_local_from_a_script_fed_on_stdin(task, tmp_path):
     assert r.returncode == 0, r.stderr
     print(r.stdout)
     lines = r.stdout.splitlines()
-    assert lines[0] == "accepted as submission #1; it is measured against the baseline, interleaved, at batch sizes 1, 64"
+    assert lines[0] == "accepted as #1; it is measured against the baseline, interleaved, at batch sizes 1, 64"
     assert 'submission #1 queued: 1st in line' in lines and any(l.startswith('#1 by Ada') and l.endswith('measured') for l in lines)
     assert store.submission(1)['status'] == 'measured'
 

@@ -16,7 +16,7 @@ from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store
 from . import submissions  # noqa: F401  (gives Store the methods the commands call)
 from .worker import measure_next, run_worker
 from .page import render_page
-from .client import (_stderr, check_model_file, my_submissions, place_of, status_line,
+from .client import (check_model_file, my_submissions, place_of, status_line,
                                          submit_remote)
 from .app import LEADERBOARD_EXTRA, gate_reason, json_bytes, own_history, serve, waiting_info
 
@@ -116,7 +116,7 @@ def submit_local(store, model_path, token, log=print) -> dict:
     try: sub = store.accept(token, path.read_bytes())
     except SubmissionRejected as e: raise TinycompError(f"submission refused: {e.reason}") from None
     say, sid, shown = log or (lambda msg: None), sub['id'], None
-    say(f"accepted as submission #{sid}; it is measured against the baseline, interleaved, at batch sizes "
+    say(f"accepted as #{sid}; it is measured against the baseline, interleaved, at batch sizes "
         f"{', '.join(map(str, store.settings['batch_sizes']))}")
     with tempfile.TemporaryFile() as errors:
         proc = _measuring_process(store.path, sid, errors)
@@ -207,7 +207,7 @@ def _run_lb(args) -> int:
 def _run_submit(args) -> int:
     if args.local:
         if not args.db: raise TinycompError("--local needs --db PATH (the leaderboard database)")
-        sub = submit_local(open_store(args.db), args.model, _token_arg(args), log=_stderr)
+        sub = submit_local(open_store(args.db), args.model, _token_arg(args))
         print(format_submission(sub))
         return 0 if sub['status'] == 'measured' else 1
     if not args.server: raise TinycompError("give --server URL (or --local --db PATH for a class without a server)")
@@ -308,7 +308,7 @@ def add_submit_cli(subparsers):
     s.set_defaults(func=_run_submit)
     return s
 
-# %% ../../nbs/97j_leaderboard_cli.ipynb #19350f24
+# %% ../../nbs/97j_leaderboard_cli.ipynb #8963adf6
 def format_history(h) -> str:
     "A learner's own submissions (`GET /api/me`, `app.own_history`) for the terminal, oldest first."
     lines = [f"{h['name']}'s submissions to {h['task']} ({h['split']} scores; every ratio relative to the baseline "
