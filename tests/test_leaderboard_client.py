@@ -358,3 +358,37 @@ def test_compress_says_which_model_its_ratios_are_relative_to(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("ratios are relative to the original model, digits_cnn_wide; the class leaderboard's digits task scores "
             "against digits_cnn instead, so its speedup, compression and score for the same file differ from these") in out
+
+
+# ---------------------------------------------------------------- the verdict's words, from the leaderboard's fields
+def test_the_verdict_shows_intervals_ties_the_standing_line_and_the_baseline():
+    from tinycomp.leaderboard.cli import format_leaderboard
+    from tinycomp.leaderboard.client import place_of
+    scores = dict(accuracy=0.98, accuracy_ci=[0.95, 0.99], dacc_points=-0.5, p_value=0.5, gate='passed',
+                  latency_ms={'1': 0.1, '64': 1.0}, speedup_at={'1': 1.2, '64': 1.5}, speedup=1.34, speedup_ci=[1.2, 1.5],
+                  file_bytes=1000, compression=4.0, score=2.315, score_ci=[2.2, 2.4], flags=[])
+    sub = dict(id=7, name='Ada', participant_id=1, date='2026-01-05 10:00 UTC', status='measured', split='public',
+               rank={'closed': None, 'open': None}, scores=scores)
+    row = lambda i, pid, name, **kw: dict(dict(scores, id=i, participant_id=pid, name=name, date='2026-01-05 10:00 UTC',
+                                               pareto_rank=1), **kw)
+    board = dict(task='digits', closed=False, split='public', samples=180, baseline=dict(name='digits_cnn.npz'),
+                 standing={'7': 'not ranked: your entry #5 stands for you on both tracks'}, unranked=[],
+                 tracks=dict(closed=[row(3, 2, 'Bob', rank=1, band=[1, 2], tied=True),
+                                     row(5, 1, 'Ada', rank=1, band=[1, 2], tied=True)],
+                             open=[row(5, 1, 'Ada', rank=1, why='on the Pareto front'),
+                                   row(3, 2, 'Bob', rank=2, why='dominated by #5 (Ada) on accuracy and size')]))
+    sub['place'] = place_of(sub, board)
+    assert format_submission(sub).splitlines() == [
+        '#7 by Ada (2026-01-05 10:00 UTC): measured',
+        '  accuracy 98.00% [95.0%, 99.0%] on the public part (-0.50 points vs the baseline, p = 0.500; gate passed)',
+        '  latency b1 0.100 ms (1.20x), b64 1.000 ms (1.50x); speedup 1.34x [1.20, 1.50]',
+        '  file 1,000 bytes, compression 4.00x; score 2.315 [2.200, 2.400] (95 % interval)',
+        '  closed track: your best, entry #5, is #1 of 2 (tied: ranks 1-2)',
+        '  open track: your best, entry #5, is #1 of 2 (on the Pareto front)',
+        '  this entry: not ranked: your entry #5 stands for you on both tracks',
+        "  speedup, compression and score are relative to the task's baseline, digits_cnn.npz (1.0: as fast and as "
+        "small as it)"]
+    table = format_leaderboard(board).splitlines()
+    assert 'every ratio is relative to the baseline digits_cnn.npz (speedup, compression and score 1.0)' in table
+    closed = table[table.index('closed track') + 2:table.index('closed track') + 4]
+    assert [l.split()[:2] for l in closed] == [['1=', 'Bob'], ['1=', 'Ada']] and all('[2.200, 2.400]' in l for l in closed)

@@ -303,12 +303,13 @@ def add_submit_cli(subparsers):
     s.add_argument('--server', metavar='URL', help='the leaderboard server, e.g. http://127.0.0.1:8000')
     s.add_argument('--local', action='store_true', help='no server: accept and measure in this process (with --db)')
     s.add_argument('--db', metavar='PATH', help='the leaderboard database (with --local)')
-    s.add_argument('--token', metavar='T', help='your token (default: the environment variable TINYCOMP_TOKEN)')
+    s.add_argument('--token', metavar='T', help="your token (default: the environment variable TINYCOMP_TOKEN); "
+                                                "write --token=T when it starts with '-'")
     s.add_argument('--no-progress', action='store_true', help='no progress bar while uploading (the status lines stay)')
     s.set_defaults(func=_run_submit)
     return s
 
-# %% ../../nbs/97j_leaderboard_cli.ipynb #8963adf6
+# %% ../../nbs/97j_leaderboard_cli.ipynb #0b23c7f6
 def format_history(h) -> str:
     "A learner's own submissions (`GET /api/me`, `app.own_history`) for the terminal, oldest first."
     lines = [f"{h['name']}'s submissions to {h['task']} ({h['split']} scores; every ratio relative to the baseline "
@@ -353,7 +354,8 @@ def add_submissions_cli(subparsers):
     s.add_argument('--server', metavar='URL', help='the leaderboard server, e.g. http://127.0.0.1:8000')
     s.add_argument('--local', action='store_true', help='no server: read the leaderboard database itself (with --db)')
     s.add_argument('--db', metavar='PATH', help='the leaderboard database (with --local)')
-    s.add_argument('--token', metavar='T', help='your token (default: the environment variable TINYCOMP_TOKEN)')
+    s.add_argument('--token', metavar='T', help="your token (default: the environment variable TINYCOMP_TOKEN); "
+                                                "write --token=T when it starts with '-'")
     s.add_argument('--json', action='store_true', help='print them as JSON')
     s.set_defaults(func=_run_submissions)
     return s
