@@ -56,7 +56,7 @@ def unreachable(base, e) -> TinycompError:
         return TinycompError(f"the server at {base} does not speak HTTPS: use http://{base[len('https://'):]}")
     return TinycompError(f"cannot reach the leaderboard server at {base}: {why}")
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #ec8ebfb1
+# %% ../../nbs/97h_leaderboard_client.ipynb #513c00dc
 _ONNX_SECOND_FIELDS = {0x12, 0x1a, 0x22, 0x28, 0x32, 0x3a, 0x42}   # ModelProto fields 2-8, after ir_version (field 1)
 
 def foreign_format(path) -> str | None:
@@ -85,7 +85,7 @@ def check_model_file(path) -> Path:
                             "the DIR/MODEL.npz it writes")
     return path
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #1a752d92
+# %% ../../nbs/97h_leaderboard_client.ipynb #cb7a5606
 SMALL_UPLOAD = 1 << 20      # up to this many bytes: no bar, one line once the server has answered
 
 def _upload(path, size, url, token, progress, base, chunk=64 << 10) -> dict:
@@ -106,12 +106,11 @@ def _upload(path, size, url, token, progress, base, chunk=64 << 10) -> dict:
         except urllib.error.HTTPError as e:
             raise TinycompError(f"the server refused the submission (HTTP {e.code}): {_reason(e)}") from None
         except (urllib.error.URLError, OSError) as e:
-            err = unreachable(base, e)
-            if 'HTTPS' in str(err): raise err from None
+            if isinstance(getattr(e, 'reason', e), ssl.SSLError): raise unreachable(base, e) from None
             raise TinycompError(f"the upload to {url} failed: {getattr(e, 'reason', e)} (check the address; if the "
                                 "server restarted, submit again: a file it already accepted is answered with its entry)") from None
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #d6c6e588
+# %% ../../nbs/97h_leaderboard_client.ipynb #bc4d9643
 def ordinal(n: int) -> str:
     "1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
@@ -133,7 +132,7 @@ def status_line(sub) -> str:
         return f"submission #{sid} measuring" + (f" ({_about(wait)})" if wait is not None else '')
     return f"submission #{sid} {status}"
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #1575380d
+# %% ../../nbs/97h_leaderboard_client.ipynb #df57ff17
 def _clock() -> str: return time.strftime('%H:%M:%S')
 
 def _wait(base, sub, log, timeout, poll, patience) -> dict:
@@ -168,7 +167,7 @@ def _wait(base, sub, log, timeout, poll, patience) -> dict:
                                 f"result will appear at {url} and on the page {base}/ (or run `tinycomp submissions "
                                 f"--server {base}`)") from None
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #bce293ad
+# %% ../../nbs/97h_leaderboard_client.ipynb #fe1ed7ae
 def place_of(sub, board) -> dict:
     """{'baseline': name, 'split', 'tracks': {track: None or {rank, of, tied, band, entry, why}}, 'standing': line or None}:
     where the learner of submission `sub` stands on each track of `board` (a leaderboard as the server sends it)."""
@@ -181,7 +180,7 @@ def place_of(sub, board) -> dict:
     return dict(baseline=(board.get('baseline') or {}).get('name'), split=board.get('split'), tracks=tracks,
                 standing=standing)
 
-# %% ../../nbs/97h_leaderboard_client.ipynb #a6634c13
+# %% ../../nbs/97h_leaderboard_client.ipynb #53cae056
 def _stderr(msg): print(msg, file=sys.stderr, flush=True)
 
 def _server_info(base) -> dict:
