@@ -239,6 +239,8 @@ def test_a_learner_sees_every_submission_of_their_own_and_nothing_of_anyone_else
         assert sorted(rows) == [1, 3, 4, 5]
         assert rows[1]['status'] == 'measured' and set(rows[1]['latency_ms']) == {'1', '64'}
         assert {'speedup', 'score', 'gate', 'rank', 'standing', 'gate_reason'} <= set(rows[1])
+        assert rows[1]['score_ci'][0] <= rows[1]['score'] <= rows[1]['score_ci'][1]
+        assert rows[1]['speedup_ci'][0] <= rows[1]['speedup'] <= rows[1]['speedup_ci'][1]
         assert rows[1]['rank']['closed'] == 1 or rows[1]['rank']['open'] is not None
         assert rows[3]['gate'] == 'failed' and 'points below the baseline' in rows[3]['gate_reason']
         assert rows[4]['status'] == 'removed' and rows[4]['reason'] == 'removed by the instructor: copied from a classmate'
@@ -254,7 +256,7 @@ def test_a_learner_sees_every_submission_of_their_own_and_nothing_of_anyone_else
         out = capsys.readouterr().out
         print(out)
         assert out.startswith("Ada's submissions to digits64 (public scores; every ratio relative to the baseline baseline.npz)")
-        assert re.search(r"^#1 \(.+\): measured, score \d\.\d{3}", out, re.M)
+        assert re.search(r"^#1 \(.+\): measured, score \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\], closed track", out, re.M), out
         assert '#4 (' in out and 'removed - removed by the instructor: copied from a classmate' in out
         assert re.search(r'^#5 \(.+\): queued: 1st in line', out, re.M) and '! the accuracy gate failed' in out
         assert submissions_cli(['--local', '--db', str(store.path), f'--token={ada}']) == 0
