@@ -133,9 +133,10 @@ def _not_counted(entries) -> dict:
     counted = {}
     for e in entries:
         if e['counted']: counted.setdefault(e['participant_id'], []).append(f"#{e['id']}")
-    return {e['id']: ("not counted: the final ranking measures again and ranks each participant's best entries of the "
-                      f"public ranking at the close (yours: {', '.join(counted.get(e['participant_id'], [])) or 'none'})")
-            for e in entries if e['counted'] is False}
+    def line(mine):
+        return ("not counted: the final ranking measures again and ranks each participant's best entries of the public "
+                "ranking at the close " + (f"(yours: {', '.join(mine)})" if mine else "(none of yours was ranked then)"))
+    return {e['id']: line(counted.get(e['participant_id'])) for e in entries if e['counted'] is False}
 
 def _leaderboard(self, private=None) -> dict:
     """The ranked tracks: {'task', 'phase', 'opens', 'closes', 'closed', 'private', 'formula', 'rules', 'tracks':
