@@ -4,14 +4,14 @@
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #f610a7d9
 from __future__ import annotations
-import contextlib, json, os, sys, time
+import contextlib, csv, io, json, os, sys, time
 from pathlib import Path
 
 from ..errors import TinycompError
 from ..files import atomic_write
 from .scoring import SCORE_DECIMALS, SCORE_FORMULA
 from .validation import SubmissionRejected
-from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store
+from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store, read_class_list
 from . import submissions  # noqa: F401  (gives Store the methods the commands call)
 from .worker import measure_next, run_worker
 from .page import render_page
@@ -22,11 +22,14 @@ from .app import LEADERBOARD_EXTRA, serve
 __all__ = ['format_submission', 'format_leaderboard', 'submit_local', 'add_serve_action', 'add_leaderboard_cli', 'add_submit_cli']
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #c3587446
+_DONE = {'remove': 'removed', 'restore': 'restored'}
+
 def format_submission(sub) -> str:
-    "A few lines about one submission for the terminal: status, and the scores and ranks once measured."
+    "A few lines about one submission for the terminal: status, the instructor's actions, and the scores and ranks once measured."
     head = f"#{sub['id']} by {sub['name']} ({sub['date']}): {sub['status']}"
     if sub.get('reason'): head += f" - {sub['reason']}"
-    if 'scores' not in sub: return head
+    trail = [f"  {_DONE[a['action']]} by the instructor ({a['date']}): {a['reason']}" for a in sub.get('actions') or []]
+    if 'scores' not in sub: return '\n'.join([head] + trail)
     s = sub['scores']
     lat = ', '.join(f"b{b} {v:.3f} ms ({s['speedup_at'][b]:.2f}x)" for b, v in s['latency_ms'].items())
     rank = ', '.join(f"{k} track: {'#' + str(v) if v else 'not ranked'}" for k, v in sub['rank'].items())
@@ -36,7 +39,7 @@ def format_submission(sub) -> str:
              f"  file {s['file_bytes']:,} bytes, compression "
              f"{s['compression']:.2f}x; score {s['score']:.{SCORE_DECIMALS}f}", f"  {rank}"]
     lines += [f"  ! {f}" for f in s['flags']]
-    return '\n'.join(lines)
+    return '\n'.join(lines + trail)
 
 def format_leaderboard(lb) -> str:
     "The tracks as text tables."
@@ -74,7 +77,7 @@ def _write_page(store, page, private=None) -> Path:
     page = Path(page)
     if page.is_dir(): raise TinycompError(f"--page {page} is a folder; give a file name")
     if not page.parent.is_dir(): raise TinycompError(f"--page {page}: the folder {page.parent} does not exist")
-    with atomic_write(page) as f: f.write(render_page(store, private).encode('utf-8'))
+    with atomic_write(page, mode=0o644) as f: f.write(render_page(store, private).encode('utf-8'))   # for others to read
     return page
 
 def _token_arg(args) -> str:
@@ -98,9 +101,42 @@ def _dates_line(d, final=None) -> str:
     if d['phase'] == 'closed': return f"closed since {final['closed_at']}" if final else 'closed'
     closes = f"closes {d['closes']}" if d['closes'] else "no close date (it closes when you run `tinycomp leaderboard close`)"
     return f"not open yet: opens {d['opens']}; {closes}" if d['phase'] == 'not open yet' else f"open; {closes}"
+def _removed(store) -> list:
+    "Every removed entry with the instructor's reason."
+    return store.query("SELECT s.id, p.name, s.reason FROM submissions s JOIN participants p ON p.id = s.participant_id "
+                       "WHERE s.status = 'removed' ORDER BY s.id")
+
+def _write_tokens(store, class_csv, out) -> dict:
+    "Register every name of the class list `class_csv` and write name,token rows to the new file `out` (owner only)."
+    out = Path(out)
+    if out.exists():
+        raise TinycompError(f"--out {out} already exists; tokens are shown only once, so give a new file name "
+                            "(and keep the old file)")
+    if not out.parent.is_dir(): raise TinycompError(f"--out {out}: the folder {out.parent} does not exist")
+    names = read_class_list(class_csv)
+    with store.tx():                                     # registered and written together, or neither
+        tokens = store.issue_tokens(names)
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator='\n')
+        w.writerow(['name', 'token'])
+        w.writerows(tokens.items())
+        with atomic_write(out) as f: f.write(buf.getvalue().encode('utf-8'))     # 0o600: it holds secrets
+    return tokens
+
+def _run_admin(args) -> int:
+    "`restore` and `tokens`."
+    store = open_store(args.db)
+    if args.lb_command == 'restore':
+        print(format_submission(store.restore(args.id, args.reason)))
+    else:
+        tokens = _write_tokens(store, args.csv, args.out)
+        print(f"registered {len(tokens)} participants; their tokens are in {args.out}, readable by you only: give each "
+              "their own privately")
+    return 0
 
 def _run_lb(args) -> int:
     a = args.lb_command
+    if a in ('restore', 'tokens'): return _run_admin(args)
     if a == 'init':
         if (args.task_data is None) != (args.baseline is None):
             raise TinycompError("--task-data and --baseline go together (or give neither for a shipped --task)")
@@ -125,16 +161,19 @@ def _run_lb(args) -> int:
               f"{'; every model timed frozen for deployment' if args.deployed else ''}")
         print(f"next: `tinycomp leaderboard token NAME --db {args.db}` for each participant, then run a worker or a server")
     elif a == 'token':
-        token = open_store(args.db).issue_token(args.name)
+        store = open_store(args.db)
+        token = store.reissue_token(args.name) if args.new else store.issue_token(args.name)
         print(token)
-        print(f"(the token of {args.name!r}; it is shown only now: give it to them privately)", file=sys.stderr)
+        print(f"(the {'new ' if args.new else ''}token of {args.name!r}; it is shown only now: give it to them privately"
+              f"{'; their old one no longer works' if args.new else ''})", file=sys.stderr)
     elif a == 'show':
         store = open_store(args.db)
-        lb = store.leaderboard(True if args.private else None)
+        lb = dict(store.leaderboard(True if args.private else None), removed=_removed(store))
         if not args.json:
             print(_dates_line(lb, lb['final']))
             if lb['final'] and lb['split'] == 'private': print(_final_line(lb['final'], args.db))
-        print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb))
+        print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb) + ''.join(
+            f"\nremoved: #{r['id']} {r['name']}: {r['reason']}" for r in lb['removed']))
     elif a == 'html':
         page = _write_page(open_store(args.db), args.page, True if args.private else None)
         print(f"wrote {page}")
@@ -193,6 +232,20 @@ def add_serve_action(leaderboard_subparsers):
     p.set_defaults(func=_serve_command)
     return p
 
+def _add_admin_actions(action):
+    "Register `restore ID --reason R` and `tokens --csv FILE --out FILE` with the `action` helper of `add_leaderboard_cli`."
+    p = action('restore', 'undo a removal, with a reason',
+               'Restore a removed entry: it is ranked again if it was measured (else it is queued and measured); its '
+               'history keeps both reasons.')
+    p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
+    p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
+    p = action('tokens', 'register a whole class from a CSV list; write their tokens to a file',
+               "Register every name of a class list (a CSV file whose first line names its columns, one of them "
+               "'name') and write name,token rows to a new file only you can read. All or nothing: a missing column, "
+               "an empty or repeated name, or a name already registered is reported and nobody is registered.")
+    p.add_argument('--csv', required=True, metavar='FILE', help="the class list: a CSV file with a 'name' column")
+    p.add_argument('--out', required=True, metavar='FILE', help='a new file for the name,token rows (readable by you only)')
+
 def add_leaderboard_cli(subparsers):
     "Register `tinycomp leaderboard ACTION ...` on an argparse `subparsers` object; returns its parser."
     lb = subparsers.add_parser('leaderboard', help='run a compression leaderboard for a class (instructor)',
@@ -223,6 +276,8 @@ def add_leaderboard_cli(subparsers):
                "Register a participant under a display name and print their token. Only the token's sha256 is "
                "stored, so it cannot be shown again: give it to them privately.")
     p.add_argument('name', metavar='NAME', help='their display name on the page (at most 40 characters)')
+    p.add_argument('--new', action='store_true', help='a new token for a registered participant (lost or leaked); '
+                   'their old one stops working')
     p = action('show', 'print the ranked tracks', 'Print the closed and open tracks, ranked (public scores while the '
                'competition is open, private ones once it is closed).')
     p.add_argument('--json', action='store_true', help='print the leaderboard as JSON')
@@ -254,6 +309,7 @@ def add_leaderboard_cli(subparsers):
                'Remove (disqualify) an entry: it is never ranked again, and its history shows the reason.')
     p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
     p.add_argument('--reason', required=True, help='why (shown in the participant\'s history)')
+    _add_admin_actions(action)
     p = action('worker', 'measure queued submissions one at a time (run next to the server)',
                'Measure queued submissions one at a time, each against the baseline in the same run, in a child '
                'process with a hard time budget; jobs left half-measured by a killed worker are measured again.')

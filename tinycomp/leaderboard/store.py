@@ -4,7 +4,7 @@
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #12d451bf
 from __future__ import annotations
-import contextlib, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
+import contextlib, csv, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +15,10 @@ from ..models import pretrained_path
 from .validation import SubmissionRejected, validate_model_bytes
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store']
+__all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store', 'read_class_list']
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #4cc69e10
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MIGRATIONS = [
     # 1: the tables
@@ -44,6 +44,32 @@ MIGRATIONS = [
         queued REAL NOT NULL, status TEXT NOT NULL CHECK (status IN ('queued', 'measuring', 'measured', 'failed')),
         attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, started REAL, finished REAL, seconds REAL, raw TEXT,
         PRIMARY KEY (closing, submission_id))""",
+    # 4: a duplicate is the same model (model_sha256, see `model_fingerprint`), not the same bytes: submissions.sha256
+    # is no longer UNIQUE (SQLite drops a constraint by rebuilding the table; the measurements that reference it are
+    # set aside meanwhile); and the instructor's removals and restorations keep their reasons
+    """CREATE TEMP TABLE measurements_kept AS SELECT * FROM measurements;
+    DELETE FROM measurements;
+    CREATE TABLE submissions_new (id INTEGER PRIMARY KEY, participant_id INTEGER NOT NULL REFERENCES participants(id),
+        task_id INTEGER NOT NULL REFERENCES tasks(id), sha256 TEXT NOT NULL REFERENCES files(sha256),
+        created REAL NOT NULL, status TEXT NOT NULL
+            CHECK (status IN ('queued', 'measuring', 'measured', 'failed', 'removed')),
+        attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, file_bytes INTEGER NOT NULL, unpacked_bytes INTEGER NOT NULL,
+        params INTEGER NOT NULL, flops INTEGER NOT NULL, kind TEXT NOT NULL, started REAL, finished REAL,
+        model_sha256 TEXT);
+    INSERT INTO submissions_new (id, participant_id, task_id, sha256, created, status, attempts, reason, file_bytes,
+        unpacked_bytes, params, flops, kind, started, finished)
+        SELECT id, participant_id, task_id, sha256, created, status, attempts, reason, file_bytes, unpacked_bytes,
+        params, flops, kind, started, finished FROM submissions;
+    DROP TABLE submissions;
+    ALTER TABLE submissions_new RENAME TO submissions;
+    CREATE INDEX submissions_by_participant ON submissions (participant_id, created);
+    CREATE INDEX submissions_by_model ON submissions (model_sha256);
+    INSERT INTO measurements SELECT * FROM measurements_kept;
+    DROP TABLE measurements_kept;
+    CREATE TABLE instructor_actions (id INTEGER PRIMARY KEY,
+        submission_id INTEGER NOT NULL REFERENCES submissions(id),
+        action TEXT NOT NULL CHECK (action IN ('remove', 'restore')), reason TEXT NOT NULL, created REAL NOT NULL);
+    CREATE INDEX instructor_actions_by_submission ON instructor_actions (submission_id)""",
 ]
 
 def _schema_version(c) -> int:
@@ -306,7 +332,8 @@ def _issue_token(self, name) -> str:
             c.execute("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
                       (name, _sha256(token.encode()), _now()))
     except sqlite3.IntegrityError:
-        raise TinycompError(f"a participant named {name!r} already exists; choose another display name") from None
+        raise TinycompError(f"a participant named {name!r} already exists; choose another display name, or give them a "
+                            "new token with `tinycomp leaderboard token NAME --new` (their old one stops working)") from None
     return token
 
 def _participant(self, token) -> dict | None:
@@ -374,3 +401,65 @@ def _schedule(self, opens=None, closes=None, now=None) -> dict:
 
 Store.phase, Store.dates, Store.check_open, Store.schedule = _phase, _dates, _check_open, _schedule
 Store.closed = property(lambda self: self.phase() == 'closed')
+
+# %% ../../nbs/97d_leaderboard_store.ipynb #8de8c69e
+def _reissue_token(self, name) -> str:
+    "A new token for the registered participant `name`; their old token stops working at once. Returns the new one."
+    token = secrets.token_urlsafe(32)
+    with self.tx() as c:
+        changed = c.execute("UPDATE participants SET token_sha256 = ? WHERE name = ?",
+                            (_sha256(token.encode()), _check_name(name))).rowcount
+    if not changed:
+        raise TinycompError(f"no participant named {name!r}; register them with `tinycomp leaderboard token NAME` "
+                            "(without --new)")
+    return token
+
+def read_class_list(path) -> list:
+    """The display names of a class list: a CSV file whose first line names its columns, one of them `name` (others,
+    such as an email, are ignored). Raises `TinycompError` listing every problem: a missing column, empty, invalid or
+    repeated names."""
+    path = Path(path)
+    if not path.is_file(): raise TinycompError(f"no class list at {path}")
+    try: text = path.read_text(encoding='utf-8-sig')
+    except UnicodeDecodeError: raise TinycompError(f"{path} is not UTF-8 text; save the class list as CSV (UTF-8)") from None
+    rows = csv.DictReader(io.StringIO(text))
+    columns = [c.strip().lower() for c in rows.fieldnames or []]
+    if 'name' not in columns:
+        raise TinycompError(f"{path} has no 'name' column (its first line names the columns: "
+                            f"{', '.join(map(repr, columns)) or 'none, the file is empty'}); add a first line such as 'name'")
+    rows.fieldnames = columns
+    names, problems, seen = [], [], {}
+    for row in rows:
+        raw = row.get('name') or ''
+        try: name = _check_name(raw)
+        except TinycompError as e:
+            problems.append(f"line {rows.line_num}: " + ("empty name" if not raw.strip() else str(e))); continue
+        key = name.casefold()
+        if key in seen: problems.append(f"line {rows.line_num}: {name!r} is already on line {seen[key]}"); continue
+        seen[key] = rows.line_num
+        names.append(name)
+    if not names and not problems: problems.append("no names (only the first line)")
+    if problems: raise TinycompError(f"{path}: " + '; '.join(problems) + "; nothing was registered")
+    return names
+
+def _issue_tokens(self, names) -> dict:
+    """Register every display name in `names` (as `issue_token`) in one transaction: {name: token}. If any name is
+    invalid, repeated or already registered, nobody is registered and the `TinycompError` lists them all."""
+    names = [_check_name(n) for n in names]
+    taken = {r['name'].casefold(): r['name'] for r in self.query("SELECT name FROM participants")}
+    clash = [n for n in names if n.casefold() in taken]
+    repeated = sorted({n for n in names if [m.casefold() for m in names].count(n.casefold()) > 1})
+    if repeated: raise TinycompError(f"the names to register repeat {', '.join(map(repr, repeated))}; nothing was registered")
+    if clash:
+        raise TinycompError(f"already registered: {', '.join(map(repr, clash))} (their tokens are unchanged; "
+                            "`tinycomp leaderboard token NAME --new` replaces one); nothing was registered")
+    tokens = {n: secrets.token_urlsafe(32) for n in names}
+    try:
+        with self.tx() as c:
+            c.executemany("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
+                          [(n, _sha256(t.encode()), _now()) for n, t in tokens.items()])
+    except sqlite3.IntegrityError:                      # registered by someone else meanwhile
+        raise TinycompError("a name was registered meanwhile; nothing was registered, try again") from None
+    return tokens
+
+Store.reissue_token, Store.issue_tokens = _reissue_token, _issue_tokens

@@ -207,12 +207,60 @@ def _job_line(store, kind, sid) -> str:
 # %% ../../nbs/97f_leaderboard_worker.ipynb #f3e57d93
 _WORKER_CODE = "import sys; from tinycomp.leaderboard.worker import worker_main; worker_main(sys.argv[1], int(sys.argv[2]))"
 
+class _Stopped(BaseException):
+    "SIGTERM reached the worker: unwind (a job in hand is given up) and exit."
+
+def _unsafe_to_raise(frame) -> bool:
+    "Is the main thread in a finalizer (which ignores exceptions) or starting the measuring child (a half-started child complains)?"
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == '__del__' or (code.co_name == 'start' and
+                                         code.co_filename.endswith(os.path.join('multiprocessing', 'process.py'))):
+            return True
+        frame = frame.f_back
+    return False
+
+def _requeue_interrupted(db_path) -> list:
+    "Put the job a stopped worker left 'measuring' back in the queue now, unless another worker measures (`recover` will)."
+    fd = os.open(str(db_path) + '.worker.lock', os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError: return []
+        store = open_store(db_path)
+        try:
+            ids = [r['id'] for r in store.query("SELECT id FROM submissions WHERE status = 'measuring'")]
+            recover(store)
+            return ids
+        finally: store.disconnect()
+    finally: os.close(fd)
+
 def worker_main(db_path, parent_pid: int | None = None):
-    "The worker process that `serve` starts: tied to its parent, then `run_worker(db_path)` until stopped."
+    """The worker process that `serve` starts: tied to its parent, then `run_worker(db_path)` until SIGTERM (or
+    Ctrl-C) stops it, at any moment, with one line in the log: a job in hand goes back to the queue."""
     if parent_pid: _die_with_parent(signal.SIGTERM, parent_pid)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # unwinds: the job in hand is rolled back and requeued
-    try: run_worker(str(db_path), log=lambda msg: print(f"tinycomp leaderboard worker: {msg}", flush=True))
-    except KeyboardInterrupt: pass
+    log = lambda msg: print(f"tinycomp leaderboard worker: {msg}", flush=True)
+    stopping, previous_hook = [], sys.unraisablehook
+    def again_soon():
+        t = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+        t.daemon = True
+        t.start()
+    def on_sigterm(signum, frame):
+        if stopping: return                                   # already stopping
+        if _unsafe_to_raise(frame): return again_soon()
+        stopping.append(signum)
+        raise _Stopped
+    def unraisable(u):                                        # a stop raised where Python ignores exceptions: again
+        if isinstance(u.exc_value, _Stopped): stopping.clear(); again_soon()
+        else: previous_hook(u)
+    sys.unraisablehook = unraisable
+    signal.signal(signal.SIGTERM, on_sigterm)
+    why = None
+    try: run_worker(str(db_path), log=log)
+    except _Stopped: why = 'SIGTERM'
+    except KeyboardInterrupt: why = 'Ctrl-C'
+    stopping.append(True)                                     # from here on, another SIGTERM changes nothing
+    ids = _requeue_interrupted(db_path)
+    log("stopped" + (f" ({why})" if why else '') + (f"; job {', '.join(f'#{i}' for i in ids)} is back in the queue" if ids else ''))
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #1089c962
 class WorkerProcess:
