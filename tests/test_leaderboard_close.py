@@ -76,6 +76,25 @@ def test_a_store_of_the_previous_version_gains_the_final_measurements_table(tmp_
     c.close()
     s = lb.open_store(tmp_path / 'v2.db')
     assert int(s._meta('schema_version')) >= 3 and s.query("SELECT name FROM sqlite_master WHERE name = 'final_measurements'")
+    s.disconnect()
+
+
+def test_final_measurements_survive_the_later_migrations(tmp_path):
+    c = sqlite3.connect(tmp_path / 'v3.db', isolation_level=None)
+    c.execute('PRAGMA foreign_keys = ON')
+    lb_store._migrate(c, 'v3.db', upto=3)                  # a store closed at schema version 3, a final job queued
+    c.execute("INSERT INTO files VALUES ('f', 1, x'00')")
+    c.execute("INSERT INTO participants VALUES (1, 'ann', 'h', 0)")
+    c.execute("INSERT INTO tasks VALUES (1, 't', 0, x'00', x'00', x'00', 0, 'f', 'base.npz')")
+    c.execute("INSERT INTO submissions (id, participant_id, task_id, sha256, created, status, file_bytes, unpacked_bytes, "
+              "params, flops, kind) VALUES (1, 1, 1, 'f', 0, 'measured', 1, 1, 1, 1, 'float')")
+    c.execute("INSERT INTO final_measurements (closing, submission_id, queued, status) VALUES (1, 1, 0, 'queued')")
+    c.close()
+    s = lb.open_store(tmp_path / 'v3.db')
+    assert int(s._meta('schema_version')) == lb.SCHEMA_VERSION
+    assert s.query("SELECT closing, submission_id, status FROM final_measurements") == [
+        dict(closing=1, submission_id=1, status='queued')]
+    s.disconnect()
 
 
 # ---------------------------------------------------------------- dates

@@ -39,8 +39,9 @@ MIGRATIONS = [
         seconds REAL NOT NULL, raw TEXT NOT NULL, scores TEXT NOT NULL)""",
     # 2: rate limits and histories look submissions up by participant and time
     "CREATE INDEX submissions_by_participant ON submissions (participant_id, created)",
-    # 3: closing measures each participant's counted entries again; `closing` numbers the closes (a reopen starts anew)
-    """CREATE TABLE final_measurements (closing INTEGER NOT NULL, submission_id INTEGER NOT NULL REFERENCES submissions(id),
+    # 3: closing measures each participant's counted entries again; `closing` numbers the closes (a reopen starts anew).
+    # submission_id names a submission without a foreign key, so that the next migration can rebuild that table
+    """CREATE TABLE final_measurements (closing INTEGER NOT NULL, submission_id INTEGER NOT NULL,
         queued REAL NOT NULL, status TEXT NOT NULL CHECK (status IN ('queued', 'measuring', 'measured', 'failed')),
         attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, started REAL, finished REAL, seconds REAL, raw TEXT,
         PRIMARY KEY (closing, submission_id))""",
