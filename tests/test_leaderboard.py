@@ -1,6 +1,7 @@
 """tinycomp.leaderboard (scoring, validation, store, submissions, worker, page, cli): scoring, ranking, the store,
 acceptance and limits, the worker, the page, the CLI."""
 import copy
+import io
 import json
 import math
 import os
@@ -329,6 +330,10 @@ def test_accept_queues_and_every_refusal_writes_nothing(tmp_path, files, monkeyp
     refused(401, 'unknown token', '', data)
     refused(409, "task's baseline", tok, files['baseline'].read_bytes())
     refused(422, 'not an acceptable tinycomp model file', tok, b'hello')
+    torch_zip = io.BytesIO()
+    with zipfile.ZipFile(torch_zip, 'w') as zf: zf.writestr('model/data.pkl', b'\x80\x02}q\x00.')
+    refused(422, r'looks like a PyTorch file, not a tinycomp model file: convert it first with `tinycomp import`',
+            tok, torch_zip.getvalue())
     s.configure(max_file_bytes=1000)
     refused(413, 'more than the limit of 1,000', tok, data)
     s.configure(max_file_bytes=16 << 20)
@@ -592,9 +597,9 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     out = capsys.readouterr().out
     assert 'accepted as #1' in out and 'measured' in out and 'score' in out and 'closed track' in out
     assert main(['submit', str(files['int8']), '--local', '--db', db]) == 2
-    assert 'tinycomp: error: submission refused (409): you already submitted this model as your entry #1' in capsys.readouterr().err
+    assert 'tinycomp: error: submission refused: you already submitted this model as your entry #1' in capsys.readouterr().err
     assert main(['submit', str(files['float']), '--local', '--db', db, '--token', 'bad']) == 2
-    assert '(401)' in capsys.readouterr().err
+    assert 'submission refused: missing or unknown token' in capsys.readouterr().err
     assert main(['leaderboard', 'show', '--db', db, '--json']) == 0
     assert json.loads(capsys.readouterr().out)['task'] == 'tiny'
     assert main(['leaderboard', 'show', '--db', db]) == 0 and 'closed track' in capsys.readouterr().out

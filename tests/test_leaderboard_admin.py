@@ -201,13 +201,13 @@ def test_tokens_for_a_class_list(tmp_path, files, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     good = tmp_path / 'class.csv'
     good.write_text('\ufeffName,email\nann,a@example.org\n Ben  Ng ,b@example.org\n\n', encoding='utf-8')
-    assert main(['leaderboard', 'tokens', '--csv', str(good), '--out', 'tokens.csv', '--db', db]) == 0
+    assert main(['leaderboard', 'tokens', '--csv', str(good), '--write', 'tokens.csv', '--db', db]) == 0
     assert 'registered 2 participants' in capsys.readouterr().out
     rows = list(csv.DictReader(open('tokens.csv')))
     assert [r['name'] for r in rows] == ['ann', 'Ben Ng']
     assert all(s.participant(r['token'])['name'] == r['name'] for r in rows)
     assert stat.S_IMODE(os.stat('tokens.csv').st_mode) == 0o600              # secrets: the owner only
-    assert main(['leaderboard', 'tokens', '--csv', str(good), '--out', 'tokens.csv', '--db', db]) == 2
+    assert main(['leaderboard', 'tokens', '--csv', str(good), '--write', 'tokens.csv', '--db', db]) == 2
     assert 'already exists' in capsys.readouterr().err
     bad = {'no_column.csv': ('email\nx@example.org\n', "no 'name' column"),
            'empty_name.csv': ('name,email\ncarl,c@x\n,d@x\n', 'line 3: empty name'),
@@ -222,7 +222,7 @@ def test_tokens_for_a_class_list(tmp_path, files, capsys, monkeypatch):
         p = tmp_path / name
         if text is None: p.write_bytes('name\nJosé\n'.encode('latin-1'))
         else: p.write_text(text)
-        assert main(['leaderboard', 'tokens', '--csv', str(p), '--out', f'{name}.tokens', '--db', db]) == 2, name
+        assert main(['leaderboard', 'tokens', '--csv', str(p), '--write', f'{name}.tokens', '--db', db]) == 2, name
         err = capsys.readouterr().err
         assert why in err and err.count('\n') == 1, (name, err)
         assert not Path(f'{name}.tokens').exists()

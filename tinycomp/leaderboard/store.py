@@ -111,6 +111,11 @@ def _iso(t) -> str:
 
 def _sha256(data) -> str: return hashlib.sha256(data).hexdigest()
 
+def _new_token() -> str:
+    "32 random bytes, URL-safe; never starting with '-', which a command line would take for an option."
+    while (token := secrets.token_urlsafe(32)).startswith('-'): pass
+    return token
+
 def _check_name(name) -> str:
     if not isinstance(name, str) or not name.strip():
         raise TinycompError("a participant's display name must be a non-empty string")
@@ -327,7 +332,7 @@ def _task(self) -> dict:
 def _issue_token(self, name) -> str:
     "Register participant `name` (a display name) and return their token; only its sha256 is stored, so keep it."
     name = _check_name(name)
-    token = secrets.token_urlsafe(32)
+    token = _new_token()
     try:
         with self.tx() as c:
             c.execute("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
@@ -406,7 +411,7 @@ Store.closed = property(lambda self: self.phase() == 'closed')
 # %% ../../nbs/97d_leaderboard_store.ipynb #8de8c69e
 def _reissue_token(self, name) -> str:
     "A new token for the registered participant `name`; their old token stops working at once. Returns the new one."
-    token = secrets.token_urlsafe(32)
+    token = _new_token()
     with self.tx() as c:
         changed = c.execute("UPDATE participants SET token_sha256 = ? WHERE name = ?",
                             (_sha256(token.encode()), _check_name(name))).rowcount
@@ -454,7 +459,7 @@ def _issue_tokens(self, names) -> dict:
     if clash:
         raise TinycompError(f"already registered: {', '.join(map(repr, clash))} (their tokens are unchanged; "
                             "`tinycomp leaderboard token NAME --new` replaces one); nothing was registered")
-    tokens = {n: secrets.token_urlsafe(32) for n in names}
+    tokens = {n: _new_token() for n in names}
     try:
         with self.tx() as c:
             c.executemany("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",

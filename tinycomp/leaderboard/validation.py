@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelFileError, TinycompError
+from .client import foreign_format
 from .. import io as tio
 from ..tensor import Tensor, no_grad
 from ..profiling.counting import profile_model
@@ -49,6 +50,11 @@ def validate_model_bytes(data: bytes, sample, n_classes: int, limits: dict) -> d
         p.write_bytes(data)
         try: model = tio.load(p, max_bytes=int(limits['max_unpacked_bytes']))
         except ModelFileError as e:
+            kind = foreign_format(p)
+            if kind is not None:
+                raise SubmissionRejected(422, f"this looks like {'an' if kind == 'ONNX' else 'a'} {kind} file, not a "
+                                              "tinycomp model file: convert it first with `tinycomp import` (see "
+                                              "`tinycomp import --help`) and submit the .npz it writes") from None
             raise SubmissionRejected(422, "not an acceptable tinycomp model file: " +
                                      str(e).replace(f"{p}: ", '').replace(str(p), 'the file')) from None
         with zipfile.ZipFile(p) as zf: unpacked = sum(i.file_size for i in zf.infolist())
