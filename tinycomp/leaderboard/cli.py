@@ -155,6 +155,22 @@ def _token_arg(args) -> str:
     if not token: raise TinycompError("give your token with --token T (or the environment variable TINYCOMP_TOKEN)")
     return token
 
+def _final_line(final, db) -> str:
+    "What the final measurement is doing, in a line (or two)."
+    if not final['chosen']:
+        return (f"final measurement: waiting for {final['waiting']} submission(s) to be measured; then each participant's "
+                f"counted entries are measured again (a worker does it: `tinycomp leaderboard worker --db {db}` or the server's)")
+    line = f"final measurement: {final['done']} of {final['done'] + final['pending'] + len(final['failed'])} counted entries measured"
+    if final['pending']: line += f" ({final['pending']} to go: a worker measures them, `tinycomp leaderboard worker --db {db}` or the server's)"
+    for f in final['failed']:
+        line += f"\n  #{f['id']} {f['name']}: the final measurement failed ({f['reason']}); ranked with its measurement at submission"
+    return line
+
+def _dates_line(d, final=None) -> str:
+    "The phase and the dates in a line."
+    if d['phase'] == 'closed': return f"closed since {final['closed_at']}" if final else 'closed'
+    closes = f"closes {d['closes']}" if d['closes'] else "no close date (it closes when you run `tinycomp leaderboard close`)"
+    return f"not open yet: opens {d['opens']}; {closes}" if d['phase'] == 'not open yet' else f"open; {closes}"
 def _removed(store) -> list:
     "Every removed entry with the instructor's reason."
     return store.query("SELECT s.id, p.name, s.reason FROM submissions s JOIN participants p ON p.id = s.participant_id "
@@ -197,7 +213,8 @@ def _run_lb(args) -> int:
         if args.task_data is None and args.name: raise TinycompError("--name needs --task-data")
         if args.task_data is not None and args.task is not None: raise TinycompError("give --task or --task-data, not both")
         existed = Path(args.db).exists()
-        settings = {k: v for k, v in (('rate_per_day', args.rate), ('rounds', args.rounds)) if v is not None}
+        settings = {k: v for k, v in (('rate_per_day', args.rate), ('rounds', args.rounds),
+                                      ('open_min_accuracy', args.open_min_accuracy)) if v is not None}
         if args.deployed: settings['deployed'] = True
         try:
             store = open_store(args.db, create=True)
@@ -222,6 +239,9 @@ def _run_lb(args) -> int:
     elif a == 'show':
         store = open_store(args.db)
         lb = dict(store.leaderboard(True if args.private else None), removed=_removed(store))
+        if not args.json:
+            print(_dates_line(lb, lb['final']))
+            if lb['final'] and lb['split'] == 'private': print(_final_line(lb['final'], args.db))
         print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb) + ''.join(
             f"\nremoved: #{r['id']} {r['name']}: {r['reason']}" for r in lb['removed']))
     elif a == 'html':
@@ -233,8 +253,14 @@ def _run_lb(args) -> int:
         if args.csv: print(f"wrote {store.export_csv(args.csv)}")
         if args.json: print(f"wrote {store.export_json(args.json)}")
     elif a == 'close':
-        open_store(args.db).close()
-        print("closed: no more submissions; the page and `show` now rank on the private part")
+        final = open_store(args.db).close()
+        print("closed: no more submissions; the page and `show` now rank each participant's counted entries (their best "
+              "of each track in the public ranking), measured again, on the private part")
+        print(_final_line(final, args.db))
+    elif a == 'reopen':
+        print(f"reopened: {_dates_line(open_store(args.db).reopen(closes=args.closes))}; the page shows public scores again")
+    elif a == 'schedule':
+        print(_dates_line(open_store(args.db).schedule(opens=args.opens, closes=args.closes)))
     elif a == 'remove':
         sub = open_store(args.db).remove(args.id, args.reason)
         print(format_submission(sub))
@@ -314,6 +340,8 @@ def add_leaderboard_cli(subparsers):
     p.add_argument('--rounds', type=int, metavar='N', help=f"harness rounds per job (default {DEFAULT_SETTINGS['rounds']})")
     p.add_argument('--deployed', action='store_true', help='time the baseline and every entry frozen for deployment '
                    '(BatchNorm folded, activations fused, buffers planned: the deployment latency) instead of as loaded')
+    p.add_argument('--open-min-accuracy', type=float, metavar='F',
+                   help="the open track's accuracy floor, a fraction like 0.9 (default 0: the closed track's gate)")
     p = action('token', "register a participant and print their token (shown once)",
                "Register a participant under a display name and print their token. Only the token's sha256 is "
                "stored, so it cannot be shown again: give it to them privately.")
@@ -333,9 +361,20 @@ def add_leaderboard_cli(subparsers):
                'the raw measurements as JSON.')
     p.add_argument('--csv', metavar='FILE', help='write one row per submission here')
     p.add_argument('--json', metavar='FILE', help='write both leaderboards, every submission and every raw measurement here')
-    action('close', 'close the competition: no more submissions, rank on the private part',
-           'Close the competition: no more submissions are accepted, and the tables, ranks and page switch to the '
-           'private part of the evaluation set.')
+    action('close', 'close the competition: no more submissions, final measurements, rank on the private part',
+           "Close the competition: no more submissions are accepted; each participant's counted entries (their best "
+           'of each track in the public ranking) are measured again by the worker, and the tables, ranks and page '
+           'rank them on the private part of the evaluation set. Closing again changes nothing.')
+    p = action('reopen', 'open a closed competition again',
+               'Open a closed competition again: submissions are accepted, the final measurements of the close are set '
+               'aside and the page shows public scores. A close date that has passed must be moved (--closes) or removed.')
+    p.add_argument('--closes', metavar='WHEN', help="a new close date, e.g. '2026-12-08 18:00' (UTC) or "
+                   "'2026-12-08T19:00+01:00'; 'none' removes it")
+    p = action('schedule', 'set when the competition opens and closes (UTC)',
+               'Set the dates: before --opens submissions are refused; at --closes the competition closes itself '
+               'as if you ran `close` then. Without options, print the phase and the dates.')
+    p.add_argument('--opens', metavar='WHEN', help="e.g. '2026-12-01 18:00' (UTC) or ISO 8601 with an offset; 'none' removes it")
+    p.add_argument('--closes', metavar='WHEN', help="e.g. '2026-12-08 18:00' (UTC) or ISO 8601 with an offset; 'none' removes it")
     p = action('remove', 'remove (disqualify) an entry with a reason',
                'Remove (disqualify) an entry: it is never ranked again, and its history shows the reason.')
     p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')

@@ -18,7 +18,7 @@ from .validation import SubmissionRejected, validate_model_bytes
 __all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store', 'read_class_list']
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #4cc69e10
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MIGRATIONS = [
     # 1: the tables
@@ -39,6 +39,12 @@ MIGRATIONS = [
         seconds REAL NOT NULL, raw TEXT NOT NULL, scores TEXT NOT NULL)""",
     # 2: rate limits and histories look submissions up by participant and time
     "CREATE INDEX submissions_by_participant ON submissions (participant_id, created)",
+    # 3: closing measures each participant's counted entries again; `closing` numbers the closes (a reopen starts anew).
+    # submission_id names a submission without a foreign key, so that the next migration can rebuild that table
+    """CREATE TABLE final_measurements (closing INTEGER NOT NULL, submission_id INTEGER NOT NULL,
+        queued REAL NOT NULL, status TEXT NOT NULL CHECK (status IN ('queued', 'measuring', 'measured', 'failed')),
+        attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, started REAL, finished REAL, seconds REAL, raw TEXT,
+        PRIMARY KEY (closing, submission_id))""",
     # 4: a duplicate is the same model (model_sha256, see `model_fingerprint`), not the same bytes: submissions.sha256
     # is no longer UNIQUE (SQLite drops a constraint by rebuilding the table; the measurements that reference it are
     # set aside meanwhile); and the instructor's removals and restorations keep their reasons
@@ -187,14 +193,24 @@ DEFAULT_SETTINGS = dict(
     batch_sizes=[1, 64],
     deployed=False,                 # time both models frozen for deployment (module 08's `freeze`): deployment latency
     max_attempts=3,                 # a job that kills its worker this often is marked failed
-    isolate=True)                   # measure in a child process (hard time budget); False: in the worker itself
+    isolate=True,                   # measure in a child process (hard time budget); False: in the worker itself
+    open_min_accuracy=0.0,          # the open track's accuracy floor: 0, the closed track's gate; else a fraction in (0, 1]
+    opens=None, closes=None)        # when submissions open and when the competition closes itself (UTC seconds; None: no date)
 
 def _check_settings(kw) -> dict:
     unknown = sorted(set(kw) - set(DEFAULT_SETTINGS))
     if unknown: raise TinycompError(f"unknown leaderboard settings {unknown}; known: {sorted(DEFAULT_SETTINGS)}")
     for k, v in kw.items():
         d = DEFAULT_SETTINGS[k]
-        if isinstance(d, bool):
+        if k in ('opens', 'closes'):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise TinycompError(f"setting {k} must be a time in seconds since 1970 (UTC) or None, got {v!r}; "
+                                    "`schedule` reads dates like '2026-12-01 18:00'")
+        elif k == 'open_min_accuracy':
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise TinycompError("setting open_min_accuracy must be 0 (the open track's floor is then the closed "
+                                    f"track's gate) or a fraction of correct answers in (0, 1] like 0.9, got {v!r}")
+        elif isinstance(d, bool):
             if not isinstance(v, bool): raise TinycompError(f"setting {k} must be true or false, got {v!r}")
         elif k == 'batch_sizes':
             if (not isinstance(v, (list, tuple)) or not v or
@@ -203,7 +219,10 @@ def _check_settings(kw) -> dict:
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
                 (isinstance(d, int) and int(v) != v) or (k in ('rounds',) and v < 2) or (k in ('calls', 'max_attempts') and v < 1):
             raise TinycompError(f"setting {k} must be a number >= 0 like {d!r} (rounds >= 2, calls >= 1), got {v!r}")
-    return {k: (list(v) if k == 'batch_sizes' else v) for k, v in kw.items()}
+    return {k: (list(v) if k == 'batch_sizes' else float(v) if k in _FLOAT_SETTINGS and v is not None else v)
+            for k, v in kw.items()}
+
+_FLOAT_SETTINGS = ('open_min_accuracy', 'opens', 'closes')
 
 def _settings(self) -> dict:
     "The store's settings: `DEFAULT_SETTINGS` updated with what `configure` stored."
@@ -216,6 +235,10 @@ def _configure(self, **kw) -> dict:
     with self.tx() as c:
         row = c.execute("SELECT value FROM meta WHERE key = 'settings'").fetchone()
         new = {**(json.loads(row[0]) if row else {}), **kw}
+        opens, closes = new.get('opens'), new.get('closes')
+        if opens is not None and closes is not None and closes <= opens:
+            raise TinycompError(f"the competition would close ({_iso(closes)}) before it opens ({_iso(opens)}); "
+                                "give a close date after the opening")
         c.execute("INSERT OR REPLACE INTO meta VALUES ('settings', ?)", (json.dumps(new),))
     return self.settings
 
@@ -225,7 +248,6 @@ def _meta(self, key, default=None):
 
 Store.settings = property(_settings)
 Store.configure, Store._meta = _configure, _meta
-Store.closed = property(lambda self: self._meta('closed') == '1')
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #533979b3
 def _private_mask(labels, seed=0) -> np.ndarray:
@@ -327,6 +349,64 @@ def _participant(self, token) -> dict | None:
     return rows[0] if rows else None
 
 Store.init, Store.task, Store.issue_token, Store.participant = _init, _task, _issue_token, _participant
+
+# %% ../../nbs/97d_leaderboard_store.ipynb #4671451c
+def _duration(seconds) -> str:
+    m = max(1, math.ceil(seconds / 60))
+    return f"{m // 60} h {m % 60} min" if m >= 60 else f"{m} min"
+
+def _parse_when(value, what='the date') -> float | None:
+    "UTC seconds of `value`: text like '2026-12-01 18:00' (UTC) or ISO 8601 with an offset, a datetime, or 'none' (None)."
+    if isinstance(value, str) and value.strip().lower() == 'none': return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool): return float(value)
+    if isinstance(value, datetime.datetime): when = value
+    else:
+        try: when = datetime.datetime.fromisoformat(value.strip())
+        except (AttributeError, TypeError, ValueError):
+            raise TinycompError(f"{what} {value!r} is not a date and time: write it like '2026-12-01 18:00' (UTC) or "
+                                "'2026-12-01T18:00+01:00', or 'none' for no date") from None
+    if when.tzinfo is None: when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+def _phase(self, now=None) -> str:
+    "'not open yet', 'open' or 'closed' at `now` (default: the clock): closed by the instructor or by the close date."
+    now = _now() if now is None else float(now)
+    s = self.settings
+    if self._meta('closed') == '1' or (s['closes'] is not None and now >= s['closes']): return 'closed'
+    if s['opens'] is not None and now < s['opens']: return 'not open yet'
+    return 'open'
+
+def _dates(self, now=None) -> dict:
+    "The phase and the dates as text: {'phase', 'opens', 'closes'} (a date is None when not set)."
+    s = self.settings
+    return dict(phase=self.phase(now), **{k: None if s[k] is None else _iso(s[k]) for k in ('opens', 'closes')})
+
+def _check_open(self, now=None) -> None:
+    "Raise `SubmissionRejected(423, reason)` unless submissions are accepted at `now`."
+    now = _now() if now is None else float(now)
+    phase = self.phase(now)
+    if phase == 'closed': raise SubmissionRejected(423, "the competition is closed; no more submissions")
+    if phase == 'not open yet':
+        opens = self.settings['opens']
+        raise SubmissionRejected(423, f"the competition opens at {_iso(opens)} (in {_duration(opens - now)}); "
+                                      "submit then")
+
+def _schedule(self, opens=None, closes=None, now=None) -> dict:
+    """Set when the competition opens and when it closes itself (`None` keeps a date, 'none' removes it; see
+    `_parse_when` for the formats). Refused once closed (reopen it instead) and for a close date already past."""
+    now = _now() if now is None else float(now)
+    if self.phase(now) == 'closed':
+        raise TinycompError("the competition is closed; to open it again with a new close date, run "
+                            f"`tinycomp leaderboard reopen --db {self.path} --closes DATE`")
+    new = {k: _parse_when(v, f"--{k}") for k, v in (('opens', opens), ('closes', closes)) if v is not None}
+    if new.get('closes') is not None and new['closes'] <= now:
+        raise TinycompError(f"the close date {_iso(new['closes'])} has passed; to close now, run "
+                            f"`tinycomp leaderboard close --db {self.path}`")
+    if new: self.configure(**new)
+    return self.dates(now)
+
+Store.phase, Store.dates, Store.check_open, Store.schedule = _phase, _dates, _check_open, _schedule
+Store.closed = property(lambda self: self.phase() == 'closed')
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #8de8c69e
 def _reissue_token(self, name) -> str:

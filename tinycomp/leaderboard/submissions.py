@@ -108,41 +108,80 @@ def _subset(self, private):
     return (t['private'] if private else ~t['private']), private
 
 def _entries(self, private=None) -> list:
-    "Every measured entry (removed and failed ones excluded) with its metrics on the public or private part."
-    mask, _ = self._subset(private)
+    """Every measured entry (removed and failed ones excluded) with its metrics on the public or private part. Once
+    closed, on the private part: `counted` says whether it is one of its participant's counted entries, `final` how its
+    final measurement stands ('pending', 'measured': the metrics are the final job's, 'failed': see `final_note`)."""
+    mask, private = self._subset(private)
+    finals = self._finals() if private else None
     labels = self.task()['labels']
     rows = self.query("SELECT s.id, s.participant_id, p.name, s.created, s.kind, s.params, s.flops, m.raw "
                       "FROM submissions s JOIN participants p ON p.id = s.participant_id "
                       "JOIN measurements m ON m.submission_id = s.id WHERE s.status = 'measured' ORDER BY s.id")
     out = []
     for r in rows:
-        raw = json.loads(r.pop('raw'))
-        out.append(dict(r, **{k: v for k, v in entry_metrics(raw, labels, mask).items() if k != 'params'}))
+        raw, f = r.pop('raw'), (finals or {}).get(r['id'])
+        r.update(counted=None if finals is None else f is not None, final=f and f['status'], final_note=None)
+        if f and f['status'] == 'measured': raw = f['raw']
+        elif f and f['status'] == 'failed':
+            r['final_note'] = f"the final measurement failed ({f['reason']}); ranked with its measurement at submission"
+        elif f: r['final'] = 'pending'
+        out.append(dict(r, **{k: v for k, v in entry_metrics(json.loads(raw), labels, mask).items() if k != 'params'}))
     return out
 
 def _public_row(e) -> dict:
     "An entry as JSON-friendly output (no raw samples)."
-    keys = ('id', 'rank', 'pareto_rank', 'on_front', 'participant_id', 'name', 'created', 'kind', 'params', 'flops',
-            'accuracy', 'accuracy_ci', 'n', 'baseline_accuracy', 'dacc_points', 'p_value', 'gate', 'latency_ms',
-            'speedup_at', 'speedup', 'file_bytes', 'compression', 'score', 'bits_per_param', 'flags')
+    keys = ('id', 'rank', 'band', 'tied', 'pareto_rank', 'on_front', 'why', 'participant_id', 'name', 'created', 'kind',
+            'params', 'flops', 'accuracy', 'accuracy_ci', 'n', 'baseline_accuracy', 'dacc_points', 'p_value', 'gate',
+            'latency_ms', 'speedup_at', 'speedup', 'speedup_ci', 'rel_latency', 'file_bytes', 'compression', 'score',
+            'score_ci', 'bits_per_param', 'flags', 'counted', 'final', 'final_note')
     row = {k: e[k] for k in keys if k in e}
     for k in ('latency_ms', 'speedup_at'):
         if k in row: row[k] = {str(b): v for b, v in row[k].items()}
     row['date'] = _iso(e['created'])
     return row
 
+def _measurement_info(store) -> dict | None:
+    "How the newest job measured (harness settings and machine, from its raw result), or None before the first one."
+    rows = store.query("SELECT raw FROM (SELECT created AS t, raw FROM measurements UNION ALL SELECT finished, raw FROM "
+                      "final_measurements WHERE status = 'measured') ORDER BY t DESC LIMIT 1")
+    if not rows: return None
+    sub = json.loads(rows[0]['raw'])['results']['submission']
+    env, st = sub.get('environment', {}), sub.get('settings', {})     # made-up measurements have neither
+    return dict(rounds=st.get('rounds'), calls=st.get('calls'), batch_sizes=st.get('batch_sizes'),
+                threads=env.get('threads', {}).get('numba'), deployed=st.get('deployed'), cpu=env.get('cpu'),
+                cores=env.get('usable_cores'))
+
+def _not_counted(entries) -> dict:
+    "{id: line} for the entries a final ranking leaves out: not among their participant's counted entries."
+    counted = {}
+    for e in entries:
+        if e['counted']: counted.setdefault(e['participant_id'], []).append(f"#{e['id']}")
+    def line(mine):
+        return ("not counted: the final ranking measures again and ranks each participant's best entries of the public "
+                "ranking at the close " + (f"(yours: {', '.join(mine)})" if mine else "(none of yours was ranked then)"))
+    return {e['id']: line(counted.get(e['participant_id'])) for e in entries if e['counted'] is False}
+
 def _leaderboard(self, private=None) -> dict:
-    """The ranked tracks: {'task', 'closed', 'private', 'formula', 'rules', 'tracks': {'closed': rows, 'open': rows},
-    'unranked': rows, 'baseline': {...}, 'deployed': whether latencies are of the models frozen for deployment}. `private=None`: public scores while open, private once closed."""
+    """The ranked tracks: {'task', 'phase', 'opens', 'closes', 'closed', 'private', 'formula', 'rules', 'tracks':
+    {'closed': rows, 'open': rows}, 'unranked': rows, 'standing': {id: why an entry is not ranked}, 'baseline': its
+    row, 'measurement': how jobs are measured, 'open_floor', 'final': the final measurement's progress once closed,
+    'deployed': whether latencies are of the models frozen for deployment}. `private=None`: public scores while open,
+    private once closed; then only the counted entries are ranked, each with its final measurement once it has one."""
+    self._choose_finals()                    # a close by date is noticed here too: the final jobs are queued
     mask, private = self._subset(private)
-    entries = self.entries(private)
-    ranked = rank_entries(entries)
-    t = self.task()
-    return dict(task=t['name'], closed=self.closed, private=private, split='private' if private else 'public',
+    entries, s, t = self.entries(private), self.settings, self.task()
+    split = 'private' if private else 'public'
+    left_out = _not_counted(entries)
+    pool = [e for e in entries if e['id'] not in left_out or e['flags']]
+    ranked = rank_entries(pool, open_min_accuracy=s['open_min_accuracy'] or None)
+    standing = {str(k): v for k, v in {**left_out, **ranked['standing']}.items()}
+    return dict(task=t['name'], **self.dates(), closed=self.closed, private=private, split=split,
                 samples=int(mask.sum()), formula=SCORE_FORMULA, rules=RULES, objectives=list(OPEN_OBJECTIVES),
-                baseline=dict(name=t['baseline_name']), deployed=bool(self.settings['deployed']),
+                baseline=_jsonable(baseline_row(pool, t['baseline_name'])), deployed=bool(s['deployed']),
+                measurement=_measurement_info(self), open_floor=open_floor(s['open_min_accuracy'] or None),
+                final=self.final_status(),
                 tracks={k: [_public_row(e) for e in ranked[k]] for k in ('closed', 'open')},
-                unranked=[_public_row(e) for e in ranked['unranked']])
+                unranked=[_public_row(e) for e in ranked['unranked']], standing=standing)
 
 def _submission(self, sid, private=None) -> dict:
     "One submission: status (queued|measuring|measured|failed|removed), reason, sizes, and when measured its metrics and ranks."
@@ -156,7 +195,8 @@ def _submission(self, sid, private=None) -> dict:
         mine = [e for e in self.entries(private) if e['id'] == out['id']]
         if mine:
             out['scores'] = {k: v for k, v in _public_row(mine[0]).items() if k not in ('id', 'participant_id', 'name', 'created', 'date')}
-        out['split'], out['deployed'] = lb['split'], lb['deployed']
+        out['split'], out['deployed'], out['phase'] = lb['split'], lb['deployed'], lb['phase']
+        out['standing'] = lb['standing'].get(str(out['id']))
         out['rank'] = {k: next((r['rank'] for r in lb['tracks'][k] if r['id'] == out['id']), None) for k in ('closed', 'open')}
     return out
 
@@ -171,11 +211,15 @@ def _history(self, private=None) -> dict:
         out[s['name']].append(row)
     return out
 
-def _close(self) -> None:
-    "Close the competition: no more submissions; tables, ranks and the page use the private part from now on."
-    with self.tx() as c:
-        c.execute("INSERT OR REPLACE INTO meta VALUES ('closed', '1')")
-        c.execute("INSERT OR REPLACE INTO meta VALUES ('closed_at', ?)", (str(_now()),))
+def _close(self, now=None) -> dict:
+    """Close the competition (again: nothing changes): no more submissions; each participant's counted entries are
+    queued for their final measurement; tables, ranks and the page use the private part. Returns `final_status()`."""
+    now = _now() if now is None else float(now)
+    if self._closing() is None:
+        with self.tx() as c:
+            if self._meta('closed') != '1': _record_close(c, now)
+    self._choose_finals()
+    return self.final_status()
 
 def _reason(reason, doing) -> str:
     if not isinstance(reason, str) or not reason.strip(): raise TinycompError(f"give a reason for {doing} an entry")
@@ -199,6 +243,82 @@ def _remove(self, sid, reason) -> dict:
 
 Store._subset, Store.entries, Store.leaderboard, Store.submission, Store.history = _subset, _entries, _leaderboard, _submission, _history
 Store.close, Store.remove = _close, _remove
+
+# %% ../../nbs/97e_leaderboard_submissions.ipynb #bd92870a
+from .scoring import baseline_row, open_floor
+from .store import _parse_when
+
+def _record_close(c, when):
+    n = int((c.execute("SELECT value FROM meta WHERE key = 'closing'").fetchone() or ['0'])[0]) + 1
+    c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                  [('closed', '1'), ('closed_at', str(when)), ('closing', str(n))])
+
+def _closing(self) -> int | None:
+    """The number of the current close (1, then 2 after a reopen and another close), or None while not closed. A
+    close by date is recorded the first time this is asked after the date."""
+    if not self.closed: return None
+    if self._meta('closed') != '1':
+        with self.tx() as c:
+            if self._meta('closed') != '1': _record_close(c, self.settings['closes'])
+    return int(self._meta('closing', '0'))
+
+def _choose_finals(self) -> bool:
+    """Once closed and no submission waits to be measured, queue each participant's counted entries (the ones ranked
+    in the public ranking) for their final measurement, once per close. True when they are chosen."""
+    n = self._closing()
+    if n is None: return False
+    if self._meta('finals_of') == str(n): return True
+    if self.query("SELECT 1 FROM submissions WHERE status IN ('queued', 'measuring') LIMIT 1"): return False
+    ranked = rank_entries(self.entries(False), open_min_accuracy=self.settings['open_min_accuracy'] or None)
+    counted = sorted({e['id'] for k in ('closed', 'open') for e in ranked[k]})
+    with self.tx() as c:
+        if self._meta('finals_of') != str(n):
+            c.executemany("INSERT OR IGNORE INTO final_measurements (closing, submission_id, queued, status) "
+                          "VALUES (?, ?, ?, 'queued')", [(n, sid, _now()) for sid in counted])
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('finals_of', ?)", (str(n),))
+    return True
+
+def _finals(self) -> dict | None:
+    "{submission id: its final measurement row} of the current close, or None while open or not chosen yet."
+    n = self._closing()
+    if n is None or self._meta('finals_of') != str(n): return None
+    return {r['submission_id']: r for r in self.query(
+        "SELECT submission_id, status, reason, raw FROM final_measurements WHERE closing = ?", (n,))}
+
+def _final_status(self) -> dict | None:
+    """The final measurement's progress once closed (None while open): {'closed_at', 'chosen': counted entries queued,
+    'waiting': submissions to measure before that, 'pending', 'done', 'failed': [{id, name, reason}], 'in_progress'}."""
+    n = self._closing()
+    if n is None: return None
+    rows = self.query("SELECT f.submission_id AS id, p.name, f.status, f.reason FROM final_measurements f JOIN "
+                      "submissions s ON s.id = f.submission_id JOIN participants p ON p.id = s.participant_id "
+                      "WHERE f.closing = ? AND s.status = 'measured' ORDER BY f.submission_id", (n,))
+    chosen = self._meta('finals_of') == str(n)
+    waiting = 0 if chosen else self.query("SELECT COUNT(*) AS n FROM submissions WHERE status IN ('queued', 'measuring')")[0]['n']
+    pending = sum(r['status'] in ('queued', 'measuring') for r in rows)
+    return dict(closed_at=_iso(float(self._meta('closed_at'))), chosen=chosen, waiting=waiting, pending=pending,
+                done=sum(r['status'] == 'measured' for r in rows), in_progress=not chosen or pending > 0,
+                failed=[dict(id=r['id'], name=r['name'], reason=r['reason']) for r in rows if r['status'] == 'failed'])
+
+def _reopen(self, closes=None, now=None) -> dict:
+    """Open a closed competition again: `closes` a new close date (None keeps it, 'none' removes it; a date that has
+    passed must be moved or removed). The close's final measurements are set aside; public scores are shown again."""
+    now = _now() if now is None else float(now)
+    n = self._closing()
+    if n is None: raise TinycompError("the competition is not closed; there is nothing to reopen")
+    new = self.settings['closes'] if closes is None else _parse_when(closes, '--closes')
+    if new is not None and new <= now:
+        raise TinycompError(f"the close date {_iso(new)} has passed: give a later one (--closes '2026-12-08 18:00', "
+                            "UTC) or remove it (--closes none)")
+    with self.tx() as c:
+        c.execute("UPDATE final_measurements SET status = 'failed', reason = 'not measured: the competition was "
+                  "reopened' WHERE closing = ? AND status IN ('queued', 'measuring')", (n,))
+        c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [('closed', '0'), ('reopened_at', str(now))])
+        self.configure(closes=new)
+    return self.dates(now)
+
+Store._closing, Store._choose_finals, Store._finals = _closing, _choose_finals, _finals
+Store.final_status, Store.reopen = _final_status, _reopen
 
 # %% ../../nbs/97e_leaderboard_submissions.ipynb #cad4f880
 def _instructor_actions(self, sid=None) -> list:

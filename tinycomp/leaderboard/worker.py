@@ -98,65 +98,111 @@ def _measuring_lock(store):
     finally: os.close(fd)                              # closing releases the lock
 
 def recover(store) -> int:
-    "Put jobs left 'measuring' by a dead worker back in the queue (call only while holding the measuring lock)."
+    "Put jobs left 'measuring' by a dead worker back in the queue, final measurements too (hold the measuring lock)."
     with store.tx() as c:
-        return c.execute("UPDATE submissions SET status = 'queued', started = NULL WHERE status = 'measuring'").rowcount
+        return (c.execute("UPDATE submissions SET status = 'queued', started = NULL WHERE status = 'measuring'").rowcount +
+                c.execute("UPDATE final_measurements SET status = 'queued', started = NULL WHERE status = 'measuring'").rowcount)
 
-def measure_next(store, isolate=None) -> int | None:
-    """Measure the oldest queued submission: claim it, measure it against the task's baseline, store the raw result and
-    its metrics, mark it measured (or failed with a reason). Returns its id, or None when the queue is empty."""
+_GAVE_UP = "the measurement stopped {} times without finishing (the worker was killed or crashed); not measured again"
+
+def _claim(store, max_attempts):
+    """The next job, claimed in one transaction: (kind, submission id, close number, model bytes or None when it was
+    given up), kind 'entry' for a submission and 'final' for a final measurement; None when there is nothing to do."""
+    with store.tx() as c:
+        row = c.execute("SELECT id, attempts, sha256 FROM submissions WHERE status = 'queued' ORDER BY id LIMIT 1").fetchone()
+        if row is not None:
+            sid = row['id']
+            if row['attempts'] >= max_attempts:
+                c.execute("UPDATE submissions SET status = 'failed', finished = ?, reason = ? WHERE id = ?",
+                          (_now(), _GAVE_UP.format(row['attempts']), sid))
+                return 'entry', sid, None, None
+            c.execute("UPDATE submissions SET status = 'measuring', attempts = attempts + 1, started = ? WHERE id = ?",
+                      (_now(), sid))
+            return 'entry', sid, None, c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
+    if not store._choose_finals(): return None          # open, or submissions still to measure before the finals
+    with store.tx() as c:
+        row = c.execute("SELECT f.closing, f.submission_id, f.attempts, s.sha256 FROM final_measurements f JOIN submissions s "
+                        "ON s.id = f.submission_id WHERE f.status = 'queued' AND s.status = 'measured' AND "
+                        "f.closing = (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'closing') AND "
+                        "(SELECT value FROM meta WHERE key = 'closed') = '1' ORDER BY f.submission_id LIMIT 1").fetchone()
+        if row is None: return None
+        n, sid = row['closing'], row['submission_id']
+        if row['attempts'] >= max_attempts:
+            c.execute("UPDATE final_measurements SET status = 'failed', finished = ?, reason = ? WHERE closing = ? AND "
+                      "submission_id = ?", (_now(), _GAVE_UP.format(row['attempts']), n, sid))
+            return 'final', sid, n, None
+        c.execute("UPDATE final_measurements SET status = 'measuring', attempts = attempts + 1, started = ? WHERE "
+                  "closing = ? AND submission_id = ?", (_now(), n, sid))
+        return 'final', sid, n, c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
+
+def _store_result(c, kind, sid, closing, raw, scores, reason, seconds):
+    if kind == 'final':                  # a reopen meanwhile has set the job aside: then nothing changes
+        c.execute("UPDATE final_measurements SET status = ?, reason = ?, raw = ?, seconds = ?, finished = ? WHERE "
+                  "closing = ? AND submission_id = ? AND status = 'measuring'",
+                  ('measured' if raw is not None else 'failed', reason, None if raw is None else json.dumps(raw),
+                   seconds, _now(), closing, sid))
+        return
+    status = c.execute("SELECT status FROM submissions WHERE id = ?", (sid,)).fetchone()[0]
+    if raw is not None:
+        c.execute("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)", (sid, _now(), seconds, json.dumps(raw), scores))
+    new = ('measured' if raw is not None else 'failed') if status == 'measuring' else status   # removed meanwhile
+    c.execute("UPDATE submissions SET status = ?, reason = COALESCE(?, reason), finished = ? WHERE id = ?",
+              (new, reason, _now(), sid))
+
+def _measure_job(store, isolate=None) -> tuple | None:
+    "Claim and measure the next job; (kind, submission id) of it, or None when there is nothing to measure."
     s, task = store.settings, store.task()
     isolate = s['isolate'] if isolate is None else isolate
     with _measuring_lock(store):
         recover(store)
-        with store.tx() as c:
-            row = c.execute("SELECT id, attempts, sha256 FROM submissions WHERE status = 'queued' ORDER BY id LIMIT 1").fetchone()
-            if row is None: return None
-            sid = row['id']
-            if row['attempts'] >= s['max_attempts']:
-                c.execute("UPDATE submissions SET status = 'failed', finished = ?, reason = ? WHERE id = ?",
-                          (_now(), f"the measurement stopped {row['attempts']} times without finishing (the worker was "
-                                   "killed or crashed); not measured again", sid))
-                return sid
-            c.execute("UPDATE submissions SET status = 'measuring', attempts = attempts + 1, started = ? WHERE id = ?",
-                      (_now(), sid))
-            data = c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
+        job = _claim(store, s['max_attempts'])
+        if job is None: return None
+        kind, sid, closing, data = job
+        if data is None: return kind, sid
+        seed = int(sid) if kind == 'entry' else int(sid) + 1_000_003 * int(closing)     # a final job: another seed
         payload = dict(baseline=task['baseline'], submission=data, X=task['inputs'], y=task['labels'],
-                       batch_sizes=s['batch_sizes'], rounds=int(s['rounds']), calls=int(s['calls']), seed=int(sid),
-                       deployed=bool(s['deployed']),
-                       max_unpacked_bytes=int(s['max_unpacked_bytes']))
+                       batch_sizes=s['batch_sizes'], rounds=int(s['rounds']), calls=int(s['calls']), seed=seed,
+                       deployed=bool(s['deployed']), max_unpacked_bytes=int(s['max_unpacked_bytes']))
         t0 = time.perf_counter()
-        raw, reason = None, None
+        raw, scores, reason = None, None, None
         try:
             got = _run_isolated(payload, float(s['time_budget_s'])) if isolate else _measure_payload(payload)
-            scores = json.dumps(_both_metrics(got, task))
+            scores = json.dumps(_both_metrics(got, task))          # a raw result the scoring cannot read fails here
             raw = got
         except TinycompError as e: reason = str(e)
         except Exception as e: reason = f"the harness could not measure the model: {type(e).__name__}: {e}"
-        with store.tx() as c:
-            status = c.execute("SELECT status FROM submissions WHERE id = ?", (sid,)).fetchone()[0]
-            if raw is not None:
-                c.execute("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)",
-                          (sid, _now(), time.perf_counter() - t0, json.dumps(raw), scores))
-            new = ('measured' if raw is not None else 'failed') if status == 'measuring' else status   # removed meanwhile
-            c.execute("UPDATE submissions SET status = ?, reason = COALESCE(?, reason), finished = ? WHERE id = ?",
-                      (new, reason, _now(), sid))
-    return sid
+        with store.tx() as c: _store_result(c, kind, sid, closing, raw, scores, reason, time.perf_counter() - t0)
+    return kind, sid
+
+def measure_next(store, isolate=None) -> int | None:
+    """Measure the next job: the oldest queued submission, or once the competition is closed and no submission waits,
+    the next counted entry's final measurement. Claim it, measure it against the task's baseline, store the raw result
+    (and a submission's metrics), mark it measured (or failed with a reason). Returns the submission's id, or None when
+    there is nothing to measure."""
+    job = _measure_job(store, isolate)
+    return None if job is None else job[1]
 
 def run_worker(path, once=False, poll=0.5, isolate=None, log=print) -> int:
-    "Measure queued submissions of the store at `path` one at a time, forever (or until the queue is empty with `once`)."
+    """Measure the jobs of the store at `path` one at a time, forever (or until there is nothing to measure with
+    `once`); the final measurements after a close too (a close by date is noticed here while polling)."""
     store = open_store(path)
     done = 0
     try:
         while True:
-            sid = measure_next(store, isolate=isolate)
-            if sid is None:
+            job = _measure_job(store, isolate=isolate)
+            if job is None:
                 if once: return done
                 time.sleep(poll); continue
             done += 1
-            sub = store.submission(sid)
-            if log: log(f"#{sid} {sub['name']}: {sub['status']}" + (f" ({sub['reason']})" if sub['reason'] else ''))
+            if log: log(_job_line(store, *job))
     finally: store.disconnect()
+
+def _job_line(store, kind, sid) -> str:
+    sub = store.submission(sid)
+    if kind == 'entry': return f"#{sid} {sub['name']}: {sub['status']}" + (f" ({sub['reason']})" if sub['reason'] else '')
+    f = store.query("SELECT status, reason FROM final_measurements WHERE submission_id = ? ORDER BY closing DESC LIMIT 1",
+                    (sid,))[0]
+    return f"#{sid} {sub['name']}: final measurement {f['status']}" + (f" ({f['reason']})" if f['reason'] else '')
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #f3e57d93
 _WORKER_CODE = "import sys; from tinycomp.leaderboard.worker import worker_main; worker_main(sys.argv[1], int(sys.argv[2]))"
