@@ -612,7 +612,7 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     assert main(['leaderboard', 'remove', '1', '--reason', 'test', '--db', db]) == 0 and 'removed' in capsys.readouterr().out
     assert main(['leaderboard', 'close', '--db', db]) == 0
     assert main(['leaderboard', 'worker', '--db', db, '--once', '--in-process']) == 0
-    assert 'measured 0 submission(s)' in capsys.readouterr().out
+    assert 'measured 0 job(s)' in capsys.readouterr().out
     # one-line errors
     assert main(['leaderboard', 'show', '--db', str(tmp_path / 'none.db')]) == 2
     err = capsys.readouterr().err
@@ -669,3 +669,40 @@ def test_a_residual_network_is_measured_against_the_limits_through_its_graph(tmp
         assert [r['flops'] > 0 and r['params'] == 0 for r in rows if r['type'] in ('Add', 'QuantizedAdd')] == [True, True]
     with pytest.raises(SubmissionRejected, match='FLOPs per sample, more than the limit of 1,000'):
         validate_model_bytes(tio.save(float_model, tmp_path / 'm.npz').read_bytes(), X, 10, dict(DEFAULT_SETTINGS, max_flops=1000))
+
+
+# ---------------------------------------------------------------- the calibration of the noise between jobs
+def test_calibrate_measures_the_job_noise_and_widens_every_interval(tmp_path, files, capsys):
+    s = make_store(tmp_path, files, rate_per_day=0)
+    s.accept(s.issue_token('ann'), files['int8'].read_bytes())
+    assert lb.measure_next(s) == 1
+    before = s.leaderboard()['tracks']['closed'][0]
+    assert s.calibration is None and s.job_noise == 0.0
+    assert main(['leaderboard', 'calibrate', '--db', str(s.path), '--jobs', '3', '--in-process']) == 0
+    out = capsys.readouterr().out
+    assert 'calibration job 3/3' in out and 'against its int8 version' in out and 'job noise' in out
+    cal = s.calibration
+    assert cal['jobs'] == 3 and len(cal['speedups']) == 3 and cal['job_noise'] > 0
+    assert s.job_noise == cal['job_noise']
+    after = s.leaderboard()['tracks']['closed'][0]
+    assert after['score'] == before['score']                               # the same measurement ...
+    assert after['score_ci'][0] < before['score_ci'][0] and after['score_ci'][1] > before['score_ci'][1]   # ... wider
+    with pytest.raises(TinycompError, match='at least 2 jobs'): lb.calibrate(s, jobs=1)
+    with pytest.raises(TinycompError, match='calibration_jobs 0 or >= 2'): s.configure(calibration_jobs=1)
+
+
+def test_a_worker_that_runs_for_good_calibrates_once_before_its_first_job(tmp_path, files):
+    s = make_store(tmp_path, files, calibration_jobs=2)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, '-m', 'tinycomp.cli', 'leaderboard', 'worker', '--db', str(s.path),
+                             '--in-process'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(root)))
+    try:
+        deadline = time.monotonic() + 180
+        while s.calibration is None and time.monotonic() < deadline and proc.poll() is None: time.sleep(0.5)
+        assert s.calibration is not None and s.calibration['jobs'] == 2
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert 'calibration job 2/2' in out and 'Traceback' not in out
+    assert lb.run_worker(s.path, once=True, log=None) == 0 and s.calibration['jobs'] == 2   # --once: no new calibration

@@ -267,7 +267,7 @@ def test_csv_export_has_ranks_and_deployed_and_files_are_readable_by_the_group(t
 @pytest.mark.parametrize('delay', [0.0, 0.5])
 def test_sigterm_stops_the_worker_cleanly_and_requeues_its_job(tmp_path, files, delay):
     "SIGTERM the moment the job is claimed (the measuring child is starting) or in the middle of the measurement."
-    s = make_store(tmp_path / 'lb.db', files, rounds=400, calls=5, isolate=True)
+    s = make_store(tmp_path / 'lb.db', files, rounds=400, calls=5, isolate=True, calibration_jobs=0)
     a = s.accept(s.issue_token('ann'), files['m0'].read_bytes())
     proc = subprocess.Popen([sys.executable, '-c', _WORKER_CODE, str(s.path), '0'],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -43,7 +43,7 @@ from tinycomp.nn.modules import Flatten, Linear, Sequential
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = dict(rounds=2, calls=1)             # the harness at its cheapest: these tests check plumbing, not speed
+FAST = dict(rounds=2, calls=1, calibration_jobs=0)   # the harness at its cheapest: these tests check plumbing, not speed
 
 
 # ---------------------------------------------------------------- fixtures and helpers

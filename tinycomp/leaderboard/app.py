@@ -87,6 +87,8 @@ async def read_capped(request, limit: int) -> bytes:
 # %% ../../nbs/97i_leaderboard_app.ipynb #c4236a08
 _VERSION_SQL = ("SELECT count(*), coalesce(max(id), 0), total(status = 'measured'), total(status = 'removed'), "
                 "total(finished) FROM submissions")
+_FINAL_SQL = ("SELECT count(*), total(status = 'measured'), total(status = 'failed'), coalesce(max(closing), 0) "
+              "FROM final_measurements")
 
 class VersionedCache:
     "The last value of each named computation with the database version it was made at; thread-safe."
@@ -185,14 +187,17 @@ def make_app(db_path, max_body: int | None = None):
     cache = VersionedCache()
 
     def version():
-        return tuple(store.query(_VERSION_SQL)[0].values()) + (store.closed,)
+        return (tuple(store.query(_VERSION_SQL)[0].values()) + tuple(store.query(_FINAL_SQL)[0].values()) +
+                (store.phase(), store._meta('calibration')))
 
     def cached(name, make):
         return cache.get(name, version(), make)
 
     def precheck(token):
-        "(participant or None, closed?, body limit): what can be refused before reading a byte of the body."
-        return store.participant(token), store.closed, limit()
+        "(participant or None, why submissions are refused now or None, body limit): checked before reading the body."
+        try: store.check_open()
+        except SubmissionRejected as e: return store.participant(token), e.reason, limit()
+        return store.participant(token), None, limit()
 
     def answer(data, status=200, headers=None):
         return Response(json_bytes(data), status, headers=headers, media_type='application/json')
@@ -206,9 +211,9 @@ def make_app(db_path, max_body: int | None = None):
         if token is None:
             return refuse(401, "missing token: send the header 'Authorization: Bearer TOKEN' with the token your "
                                "instructor gave you", unauthorized)
-        who, closed, cap = await run_in_threadpool(precheck, token)
+        who, refusal, cap = await run_in_threadpool(precheck, token)
         if who is None: return refuse(401, "unknown token: check the token your instructor gave you", unauthorized)
-        if closed: return refuse(423, "the competition is closed; no more submissions", {'Connection': 'close'})
+        if refusal: return refuse(423, refusal, {'Connection': 'close'})
         try: data = await read_capped(request, cap)
         except BodyTooLarge as e:
             return refuse(413, f"the request body ({_size(e.size)}) is over this server's limit of {_size(cap)}: "

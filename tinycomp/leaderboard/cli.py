@@ -14,7 +14,7 @@ from .scoring import SCORE_DECIMALS, SCORE_FORMULA
 from .validation import SubmissionRejected
 from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store, read_class_list
 from . import submissions  # noqa: F401  (gives Store the methods the commands call)
-from .worker import measure_next, run_worker
+from .worker import calibrate, measure_next, run_worker
 from .page import render_page
 from .client import (check_model_file, my_submissions, place_of, status_line,
                                          submit_remote)
@@ -267,7 +267,12 @@ def _run_lb(args) -> int:
     elif a == 'worker':
         open_store(args.db)                                  # a clear error if there is no such store
         n = run_worker(args.db, once=args.once, isolate=False if args.in_process else None)
-        print(f"measured {n} submission(s)")
+        print(f"measured {n} job(s)")
+    elif a == 'calibrate':
+        store = open_store(args.db)
+        cal = calibrate(store, jobs=args.jobs, isolate=False if args.in_process else None, log=print)
+        print(f"job noise {cal['job_noise']:.1%} of the log speedup ({cal['pair']}; speedups "
+              f"{', '.join(f'{v:.3f}' for v in cal['speedups'])}); every score's interval now includes it")
     return 0
 
 def _run_submit(args) -> int:
@@ -384,6 +389,14 @@ def add_leaderboard_cli(subparsers):
                'Measure queued submissions one at a time, each against the baseline in the same run, in a child '
                'process with a hard time budget; jobs left half-measured by a killed worker are measured again.')
     p.add_argument('--once', action='store_true', help='stop when the queue is empty')
+    p.add_argument('--in-process', action='store_true', help='measure in this process (no hard time budget)')
+    p = action('calibrate', 'measure the noise between measurement jobs (the server does it once by itself)',
+               "Measure one fixed pair (the baseline against its int8 version) in several separate jobs, like a "
+               "submission's, and store the spread of their speedups: the job noise that every score's 95 % interval "
+               "includes. `serve` and `worker` do it once before the first job; run it again after moving the server "
+               "to another machine.")
+    p.add_argument('--jobs', type=int, metavar='N', help=f"jobs (default: the calibration_jobs setting, "
+                   f"{DEFAULT_SETTINGS['calibration_jobs']})")
     p.add_argument('--in-process', action='store_true', help='measure in this process (no hard time budget)')
     add_serve_action(sub)
     lb.set_defaults(func=lambda args: _run_lb(args) if args.lb_command else (lb.print_help(), 0)[1])

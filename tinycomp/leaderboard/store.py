@@ -194,6 +194,7 @@ DEFAULT_SETTINGS = dict(
     deployed=False,                 # time both models frozen for deployment (module 08's `freeze`): deployment latency
     max_attempts=3,                 # a job that kills its worker this often is marked failed
     isolate=True,                   # measure in a child process (hard time budget); False: in the worker itself
+    calibration_jobs=6,             # jobs of the calibration that measures the noise between jobs (0: none)
     open_min_accuracy=0.0,          # the open track's accuracy floor: 0, the closed track's gate; else a fraction in (0, 1]
     opens=None, closes=None)        # when submissions open and when the competition closes itself (UTC seconds; None: no date)
 
@@ -217,8 +218,8 @@ def _check_settings(kw) -> dict:
                     any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in v)):
                 raise TinycompError(f"setting batch_sizes must be a list of whole numbers >= 1, got {v!r}")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
-                (isinstance(d, int) and int(v) != v) or (k in ('rounds',) and v < 2) or (k in ('calls', 'max_attempts') and v < 1):
-            raise TinycompError(f"setting {k} must be a number >= 0 like {d!r} (rounds >= 2, calls >= 1), got {v!r}")
+                (isinstance(d, int) and int(v) != v) or (k in ('rounds',) and v < 2) or (k == 'calibration_jobs' and v == 1) or (k in ('calls', 'max_attempts') and v < 1):
+            raise TinycompError(f"setting {k} must be a number >= 0 like {d!r} (rounds >= 2, calls >= 1, calibration_jobs 0 or >= 2), got {v!r}")
     return {k: (list(v) if k == 'batch_sizes' else float(v) if k in _FLOAT_SETTINGS and v is not None else v)
             for k, v in kw.items()}
 
@@ -246,7 +247,14 @@ def _meta(self, key, default=None):
     row = self._conn().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
     return row[0] if row else default
 
+def _calibration(self) -> dict | None:
+    "The store's last calibration of the noise between jobs (`worker.calibrate`), or None before the first."
+    row = self._meta('calibration')
+    return json.loads(row) if row else None
+
 Store.settings = property(_settings)
+Store.calibration = property(_calibration)
+Store.job_noise = property(lambda self: float(self.calibration['job_noise']) if self.calibration else 0.0)
 Store.configure, Store._meta = _configure, _meta
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #533979b3

@@ -70,12 +70,12 @@ def _fill_fingerprints(self, pid):
 def _accept(self, token, data, now=None) -> dict:
     """Accept the model file `data` (bytes) from the holder of `token`: check, store by sha256 and queue it.
     Returns the submission (see `submission`); raises `SubmissionRejected(status, reason)` and writes nothing."""
-    now = _now() if now is None else float(now)
+    given, now = now, (_now() if now is None else float(now))
     who = self.participant(token)
     if who is None:
         raise SubmissionRejected(401, "missing or unknown token: ask your instructor for yours "
                                       "(`tinycomp leaderboard token NAME`)")
-    if self.closed: raise SubmissionRejected(423, "the competition is closed; no more submissions")
+    self.check_open(given)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TinycompError(f"accept: data must be the model file's bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -91,7 +91,7 @@ def _accept(self, token, data, now=None) -> dict:
     with self.tx() as c:
         _check_new(c, who['id'], task, sha, info['model_sha256'])
         _check_rate(c, who['id'], now, s['rate_per_day'])
-        if self._meta('closed') == '1': raise SubmissionRejected(423, "the competition is closed; no more submissions")
+        self.check_open(given)
         c.execute("INSERT OR IGNORE INTO files VALUES (?, ?, ?)", (sha, len(data), data))
         sid = c.execute("INSERT INTO submissions (participant_id, task_id, sha256, created, status, file_bytes, "
                         "unpacked_bytes, params, flops, kind, model_sha256) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
@@ -113,7 +113,7 @@ def _entries(self, private=None) -> list:
     final measurement stands ('pending', 'measured': the metrics are the final job's, 'failed': see `final_note`)."""
     mask, private = self._subset(private)
     finals = self._finals() if private else None
-    labels = self.task()['labels']
+    labels, noise = self.task()['labels'], self.job_noise
     rows = self.query("SELECT s.id, s.participant_id, p.name, s.created, s.kind, s.params, s.flops, m.raw "
                       "FROM submissions s JOIN participants p ON p.id = s.participant_id "
                       "JOIN measurements m ON m.submission_id = s.id WHERE s.status = 'measured' ORDER BY s.id")
@@ -125,7 +125,7 @@ def _entries(self, private=None) -> list:
         elif f and f['status'] == 'failed':
             r['final_note'] = f"the final measurement failed ({f['reason']}); ranked with its measurement at submission"
         elif f: r['final'] = 'pending'
-        out.append(dict(r, **{k: v for k, v in entry_metrics(json.loads(raw), labels, mask).items() if k != 'params'}))
+        out.append(dict(r, **{k: v for k, v in entry_metrics(json.loads(raw), labels, mask, noise).items() if k != 'params'}))
     return out
 
 def _public_row(e) -> dict:

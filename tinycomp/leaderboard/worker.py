@@ -4,18 +4,23 @@
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #9d1a40ef
 from __future__ import annotations
-import contextlib, fcntl, json, os, signal, subprocess, sys, tempfile, threading, time
+import contextlib, fcntl, json, math, os, signal, subprocess, sys, tempfile, threading, time
 from pathlib import Path
+
+import numpy as np
 
 import tinycomp
 from ..errors import TinycompError
 from .. import io as tio
 from ..benchmarking.harness import compare
-from .store import _now, open_store
+from ..quantization import quantize_static
+from .scoring import entry_metrics
+from .store import _iso, _now, open_store
 from .submissions import _both_metrics
 
 # %% auto #0
-__all__ = ['MeasurementFailed', 'recover', 'measure_next', 'run_worker', 'worker_main', 'WorkerProcess']
+__all__ = ['MeasurementFailed', 'recover', 'measure_next', 'calibration_pair', 'calibrate', 'run_worker', 'worker_main',
+           'WorkerProcess']
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #458287d4
 class MeasurementFailed(TinycompError):
@@ -182,12 +187,55 @@ def measure_next(store, isolate=None) -> int | None:
     job = _measure_job(store, isolate)
     return None if job is None else job[1]
 
+# %% ../../nbs/97f_leaderboard_worker.ipynb #2928e69a
+def calibration_pair(store) -> tuple:
+    "(baseline file bytes, int8 twin's file bytes, a description of the pair) of the store's task."
+    task = store.task()
+    with tempfile.TemporaryDirectory(prefix='tinycomp-cal-') as d:
+        base = Path(d) / 'baseline.npz'
+        base.write_bytes(task['baseline'])
+        model = tio.load(base).eval()
+        try:
+            twin = tio.save(quantize_static(model, task['inputs'][:64]), Path(d) / 'int8.npz').read_bytes()
+            return task['baseline'], twin, f"{task['baseline_name']} against its int8 version (static quantization)"
+        except TinycompError:
+            return task['baseline'], task['baseline'], f"{task['baseline_name']} against itself (it cannot be quantized)"
+
+# %% ../../nbs/97f_leaderboard_worker.ipynb #f5752158
+def calibrate(store, jobs: int | None = None, isolate: bool | None = None, log=None) -> dict:
+    """Measure the calibration pair in `jobs` separate jobs (default: the store's `calibration_jobs` setting, at least
+    2) and store the job noise; returns {'job_noise', 'speedups', 'jobs', 'pair', 'date', 'seconds'}."""
+    s, task = store.settings, store.task()
+    jobs = int(s.get('calibration_jobs', 6) if jobs is None else jobs)
+    if jobs < 2: raise TinycompError(f"a calibration needs at least 2 jobs to measure a spread, got {jobs}")
+    isolate = s['isolate'] if isolate is None else isolate
+    base, twin, pair = calibration_pair(store)
+    started, logs = time.perf_counter(), []
+    for k in range(jobs):
+        payload = dict(baseline=base, submission=twin, X=task['inputs'], y=task['labels'], batch_sizes=s['batch_sizes'],
+                       rounds=int(s['rounds']), calls=int(s['calls']), seed=10_000 + k, deployed=bool(s['deployed']),
+                       max_unpacked_bytes=int(s['max_unpacked_bytes']))
+        raw = _run_isolated(payload, float(s['time_budget_s'])) if isolate else _measure_payload(payload)
+        m = entry_metrics(raw, task['labels'], np.ones(len(task['labels']), bool))
+        logs.append(math.log(m['speedup']))
+        if log: log(f"calibration job {k + 1}/{jobs}: speedup {m['speedup']:.3f}")
+    out = dict(job_noise=float(np.std(logs, ddof=1)), speedups=[math.exp(v) for v in logs], jobs=jobs, pair=pair,
+               date=_iso(_now()), seconds=time.perf_counter() - started)
+    with store.tx() as c:
+        c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ('calibration', json.dumps(out)))
+    return out
+
+# %% ../../nbs/97f_leaderboard_worker.ipynb #20131f03
 def run_worker(path, once=False, poll=0.5, isolate=None, log=print) -> int:
     """Measure the jobs of the store at `path` one at a time, forever (or until there is nothing to measure with
-    `once`); the final measurements after a close too (a close by date is noticed here while polling)."""
+    `once`); the final measurements after a close too (a close by date is noticed here while polling). A worker that
+    runs for good first calibrates the store's job noise if it has none yet (`calibrate`)."""
     store = open_store(path)
     done = 0
     try:
+        if not once and store.settings['calibration_jobs'] and store.calibration is None:
+            cal = calibrate(store, isolate=isolate, log=log)
+            if log: log(f"job noise {cal['job_noise']:.1%} ({cal['pair']}, {cal['jobs']} jobs)")
         while True:
             job = _measure_job(store, isolate=isolate)
             if job is None:
