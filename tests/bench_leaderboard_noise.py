@@ -12,8 +12,7 @@ from tinycomp.data import load_shipped
 from tinycomp.models import load_pretrained
 from tinycomp.quantization import quantize_static
 from tinycomp.leaderboard.store import open_store
-from tinycomp.leaderboard.calibration import calibrate
-from tinycomp.leaderboard.worker import measure_next
+from tinycomp.leaderboard.worker import calibrate, measure_next
 from tinycomp.leaderboard import submissions  # noqa: F401
 
 if __name__ == '__main__':                    # the measuring child processes import this file again

@@ -70,25 +70,34 @@ def format_submission(sub) -> str:
 def _rank(r) -> str: return f"{r['rank']}{'=' if r.get('tied') else ''}"
 
 def format_leaderboard(lb) -> str:
-    "The tracks as text tables (a tied rank ends in '=': the score intervals of the entries sharing it overlap)."
+    """The tracks as text tables, the baseline as their first row (a tied rank ends in '=': the score intervals of
+    the entries sharing it overlap); the open track shows the three columns its Pareto rank is decided on."""
     lines = [f"{lb['task']}: {'closed' if lb['closed'] else 'open'}, {lb['split']} scores on {lb['samples']} samples"
              f"{', latency of the models frozen for deployment' if lb.get('deployed') else ''}",
              SCORE_FORMULA]
-    if (lb.get('baseline') or {}).get('name'):
-        lines.append(f"every ratio is relative to the baseline {lb['baseline']['name']} (speedup, compression and score 1.0)")
+    base = lb.get('baseline') or {}
+    if base.get('name'):
+        lines.append(f"every ratio is relative to the baseline {base['name']} (speedup, compression and score 1.0)")
     cis = any(r.get('score_ci') for r in lb['tracks']['closed'])
     lines += ['', 'closed track', f"{'rank':>5}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'compr.':>8}{'score':>8}"
                                   f"{'95 % interval' if cis else '':>17}  date"]
+    if 'accuracy' in base:
+        lines.append(f"{'-':>5}  {'baseline ' + base['name']:<20.19}{base['accuracy']:>9.2%}{1:>8.2f}x{1:>7.2f}x"
+                     f"{1:>8.{SCORE_DECIMALS}f}")
     for r in lb['tracks']['closed']:
         lines.append(f"{_rank(r):>5}  {r['name'][:19]:<20}{r['accuracy']:>9.2%}{r['speedup']:>8.2f}x"
                      f"{r['compression']:>7.2f}x{r['score']:>8.{SCORE_DECIMALS}f}"
                      f"{_ci(r.get('score_ci'), f'.{SCORE_DECIMALS}f'):>17}  {r['date']}")
-    lines += ['', 'open track (Pareto rank over accuracy, relative latency, bytes)'
-                  + (f"; {lb['open_floor']}" if lb.get('open_floor') else ''),
-              f"{'rank':>5}{'pareto':>7}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'bytes':>11}  date"]
+    lines += ['', 'open track (Pareto rank over accuracy, batch-1 latency relative to the baseline, file bytes)'
+                  + (f"; floor: {lb['open_floor']}" if lb.get('open_floor') else ''),
+              f"{'rank':>5}{'pareto':>7}  {'name':<20}{'accuracy':>9}{'b1 lat.':>9}{'bytes':>11}  why"]
+    if 'accuracy' in base:
+        lines.append(f"{'-':>5}{'-':>7}  {'baseline ' + base['name']:<20.19}{base['accuracy']:>9.2%}{1:>8.2f}x"
+                     f"{base['file_bytes']:>11,}")
     for r in lb['tracks']['open']:
         lines.append(f"{_rank(r):>5}{r['pareto_rank']:>7}  {r['name'][:19]:<20}{r['accuracy']:>9.2%}"
-                     f"{r['speedup']:>8.2f}x{r['file_bytes']:>11,}  {r['date']}")
+                     f"{r.get('rel_latency', 1 / r['speedup_at'][min(r['speedup_at'], key=int)]):>8.2f}x"
+                     f"{r['file_bytes']:>11,}  {r.get('why', '')}")
     for r in lb['unranked']: lines.append(f"not ranked: #{r['id']} {r['name']}: {'; '.join(r['flags'])}")
     return '\n'.join(lines)
 
