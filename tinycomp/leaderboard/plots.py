@@ -21,15 +21,16 @@ def esc(x) -> str:
 def _trim(v, decimals) -> str: return f"{v:,.{decimals}f}".rstrip('0').rstrip('.') if decimals else f"{v:,.0f}"
 
 def fmt_bytes(n) -> str:
-    "A file size for people: '812 B', '4.2 kB', '16 kB', '1.3 MB' (1 kB = 1000 bytes)."
+    "A file size for people: '812 B', '4.2 kB', '5 kB', '16 kB', '1.3 MB' (1 kB = 1000 bytes)."
     n = float(n)
     if n < KB: return f"{n:.0f} B"
     v, unit = (n / KB, 'kB') if n < KB ** 2 else (n / KB ** 2, 'MB')
-    return f"{v:.1f} {unit}" if v < 10 else f"{v:,.0f} {unit}"
+    return f"{_trim(v, 1)} {unit}" if v < 10 else f"{v:,.0f} {unit}"
 
-def fmt_times(v, decimals=2) -> str:
-    "A ratio for people: '0.5×', '1×', '2.25×' (trailing zeros dropped, never scientific notation)."
-    return _trim(v, decimals if v < 100 else 0) + '×'
+def fmt_times(v, decimals=2, fixed=False) -> str:
+    "A ratio for people: '0.5×', '1×', '2.25×' (trailing zeros dropped unless `fixed`; never scientific notation)."
+    if v >= 100: decimals = 0
+    return (f"{v:,.{decimals}f}" if fixed else _trim(v, decimals)) + '×'
 
 def fmt_ms(v) -> str:
     "A latency in milliseconds, with as many decimals as mean something: '0.042', '1.27', '12.3', '250'."
@@ -130,7 +131,7 @@ def place_labels(anchors, sizes, frame, obstacles=(), gap=3.0, reach=(10, 18, 28
     `anchors[i]` (x, y); in the order given (most important first) each takes the first place, nearest first, in eight
     directions at the distances `reach`, whose box lies inside `frame` (x0, y0, x1, y1), keeps `gap` from every label
     placed before, every box in `obstacles` (the markers) and every leader line drawn before, and whose own leader
-    line crosses no label. Returns for each label its box (x0, y0, x1, y1) and the end of its leader line (None
+    line crosses no label and no other marker. Returns for each label its box (x0, y0, x1, y1) and the end of its leader line (None
     when it sits next to its point), or None when there is no room for it (it is then shown on hover and tap)."""
     placed, leaders, out = [], [], []
     for (px, py), (w, h) in zip(anchors, sizes):
@@ -146,7 +147,8 @@ def place_labels(anchors, sizes, frame, obstacles=(), gap=3.0, reach=(10, 18, 28
                 end = (min(max(px, box[0]), box[2]), min(max(py, box[1]), box[3]))
                 leader = end if d > reach[0] else None
                 if any(segment_meets_box(p, q, box) for p, q in leaders): continue
-                if leader and any(segment_meets_box((px, py), end, b) for b in placed): continue
+                if leader and any(segment_meets_box((px, py), end, b) for b in placed + list(obstacles)
+                                  if not (b[0] <= px <= b[2] and b[1] <= py <= b[3])): continue
                 found = (box, leader)
                 break
             if found: break
@@ -265,6 +267,7 @@ def svg_scatter(points, title, xlabel, fmt_x, anchors=(), gate=None, width=PLOT_
             tip = (f'<text class="tip" x="{d["px"] + (-8 if right else 8):.1f}" y="{ty:.1f}" '
                    f'text-anchor="{"end" if right else "start"}">{esc(_short(d["name"]))}</text>')
         s.append(f'<g class="pt" tabindex="0"><title>{esc(d["tip"])}</title>'
+                 f'<circle class="hit" cx="{d["px"]:.1f}" cy="{d["py"]:.1f}" r="11"/>'      # a target a finger can hit
                  f'{marker(shape, d["px"], d["py"], d["r"], colour, hollow, cls)}{tip}</g>')
     s.append('</svg>')
     return '\n'.join(s), [d for d in drawn if d['edge']]
