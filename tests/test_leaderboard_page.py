@@ -228,7 +228,7 @@ _MEASURE = """() => {
   const px = t => { const m = t.getScreenCTM(); return parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b); };
   const plots = [...document.querySelectorAll('svg.plot')].map(svg => ({
     svg: r(svg), title: r(svg.querySelector('.ptitle')), labels: [...svg.querySelectorAll('text.lab')].map(r),
-    ticks: [...svg.querySelectorAll('text.tk')].map(r), markers: [...svg.querySelectorAll('.mk')].map(r),
+    ticks: [...svg.querySelectorAll('text.tk')].map(r), markers: [...svg.querySelectorAll('.mk, .best')].map(r),
     smallest: Math.min(...[...svg.querySelectorAll('text')].map(px))}));
   const closed = document.querySelector('section table');
   const heads = [...closed.querySelectorAll('th')].map(th => th.textContent);
@@ -289,7 +289,7 @@ def test_the_class_page_in_headless_chromium(class_page, tmp_path, chromium, wid
                 point = page.locator('svg.plot g.pt:has(text.tip)').last          # drawn on top
                 tip = point.locator('text.tip')
                 assert tip.evaluate('t => getComputedStyle(t).visibility') == 'hidden'
-                point.locator('.mk').tap()
+                point.locator('.mk, .best').tap()
                 assert tip.evaluate('t => getComputedStyle(t).visibility') == 'visible'
                 page.screenshot(path=str(tmp_path / f'leaderboard-{width}-tapped.png'))
         finally: browser.close()

@@ -148,7 +148,7 @@ figure{margin:0;flex:1 1 400px;max-width:560px}
 .ptitle{font-size:14px;font-weight:600}.tk{font-size:12.5px;fill:#333}
 .lab,.tip{font-size:12.5px;fill:#111;paint-order:stroke;stroke:#fff;stroke-width:3px;stroke-linejoin:round}
 .tip{visibility:hidden;font-weight:600}.pt:hover .tip,.pt:focus .tip{visibility:visible}
-.pt{cursor:pointer;-webkit-tap-highlight-color:transparent}.hit{fill:transparent}.pt:focus{outline:none}.pt:focus .mk{stroke-width:3}
+.pt{cursor:pointer;-webkit-tap-highlight-color:transparent}.hit{fill:transparent}.pt:focus{outline:none}.pt:focus .mk,.pt:focus .best{stroke-width:3}
 .grid{stroke:#eee}.frame{fill:none;stroke:#999}.lead{stroke:#666}.gate{stroke:#a40;stroke-dasharray:5 4}
 .legend{display:flex;flex-wrap:wrap;gap:.2em 1em;list-style:none;padding:0;font-size:.9rem}
 details{margin:.3em 0}summary{cursor:pointer}.flag{color:#a40}
@@ -186,9 +186,12 @@ def _history(lb, hist, styles, pids) -> str:
             rows.append([f"#{s['id']}", _date(s), esc(s['status']), esc(s.get('kind', '')),
                          _acc(s) if 'accuracy' in s else '–', f"{s['score']:.{SCORE_DECIMALS}f}" if 'score' in s else '–',
                          fmt_bytes(s['file_bytes']), esc(s.get('gate', '–')), esc(note)])
-        st = styles.get(pids.get(name))
+        st, pid = styles.get(pids.get(name)), pids.get(name)
+        places = [f"{track} #{r['rank']}" for track in ('closed', 'open') for r in lb['tracks'][track]
+                  if r['participant_id'] == pid]
         out.append(f'<details><summary>{swatch(st, name) if st else ""}{esc(name)}: {len(subs)} '
-                   f'submission{"s" if len(subs) != 1 else ""}</summary>' + _table(heads, rows, {0: 'base'}) + '</details>')
+                   f'submission{"s" if len(subs) != 1 else ""}{"; " + ", ".join(places) if places else ""}</summary>' +
+                   _table(heads, rows, {0: 'base'}) + '</details>')
     return ('<section><h2>History</h2><p class="rules">Every submission, oldest first; the note says why an entry does '
             'not count where it does not.</p>' + ''.join(out) + '</section>') if out else ''
 

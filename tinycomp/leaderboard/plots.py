@@ -204,7 +204,7 @@ def svg_scatter(points, title, xlabel, fmt_x, anchors=(), gate=None, width=PLOT_
     """An inline SVG scatter of accuracy (y, percent) against a cost (x, log scale, ticks written by `fmt_x`), and
     the points drawn at the edge as outliers. `points` are dicts: x, y (accuracy, a fraction), name, tip (the hover
     and tap text), kind ('baseline', 'best': a participant's best entry, 'entry': any other, small and grey), style
-    (colour, shape, hollow) for 'best', and priority (a number: labelled for good, the lowest first, as room allows;
+    (colour, shape, hollow) for 'best' (whose markers have the class `best`), and priority (a number: labelled for good, the lowest first, as room allows;
     None: the name shows on hover and tap only). `anchors`: accuracies (percent) the axis always shows, the
     baseline's and the `gate`'s (a dashed line)."""
     if not points: return '', []
@@ -215,10 +215,12 @@ def svg_scatter(points, title, xlabel, fmt_x, anchors=(), gate=None, width=PLOT_
     Y = lambda v: f[3] - (min(max(v, lo), hi) - lo) / (hi - lo) * (f[3] - f[1])
     s = [f'<svg class="plot" viewBox="0 0 {width} {height}" role="img" aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">',
          f'<text class="ptitle" x="{width / 2}" y="20" text-anchor="middle">{esc(title)}</text>']
-    for t in linear_ticks(lo, hi):
+    yticks = linear_ticks(lo, hi)
+    decimals = max(len(f"{t:g}".partition('.')[2]) for t in yticks)         # 97.0, 97.5, 98.0: one format for all
+    for t in yticks:
         y = Y(t)
         s.append(f'<line class="grid" x1="{f[0]}" y1="{y:.1f}" x2="{f[2]}" y2="{y:.1f}"/>'
-                 f'<text class="tk" x="{f[0] - 5}" y="{y + FONT * 0.35:.1f}" text-anchor="end">{_trim(t, 2)}</text>')
+                 f'<text class="tk" x="{f[0] - 5}" y="{y + FONT * 0.35:.1f}" text-anchor="end">{t:.{decimals}f}</text>')
     for t in log_ticks(xlo, xhi):
         x, lab = X(t), fmt_x(t)
         half = text_width(lab, FONT) / 2
@@ -259,7 +261,7 @@ def svg_scatter(points, title, xlabel, fmt_x, anchors=(), gate=None, width=PLOT_
         colour, shape, hollow = d.get('style') or ('#9a9a9a', 'circle', False)
         if d['kind'] == 'baseline': colour, shape, hollow = '#000', 'square', False
         if d['edge']: shape = d['edge']
-        cls = 'mk en' if d['kind'] == 'entry' else 'mk'
+        cls = {'entry': 'mk en', 'best': 'best', 'baseline': 'mk bl'}[d['kind']]
         tip = ''
         if id(d) not in labelled:
             right = d['px'] > (f[0] + f[2]) / 2
