@@ -91,20 +91,38 @@ def entry(i, who, n_wrong=0, ms=(1, 2), size=1000, created=None, **kw):
     return dict(m, id=i, participant_id=who, name=f'p{who}', created=created if created is not None else i)
 
 
-def test_closed_ranking_ties_by_accuracy_then_time():
+def test_closed_ranking_order_and_bands():
     es = [entry(1, 1, 0, created=5), entry(2, 2, 0, created=3),          # the same score and accuracy: earlier first
           entry(3, 3, 2, created=1),                                       # the same score, lower accuracy
           entry(4, 4, 0, ms=(0.5, 1), created=9)]                          # faster: first
     r = rank_entries(es)['closed']
-    assert [(e['id'], e['rank']) for e in r] == [(4, 1), (2, 2), (1, 3), (3, 4)]
+    assert [(e['id'], e['rank'], e['band'], e['tied']) for e in r] == \
+        [(4, 1, [1, 1], False), (2, 2, [2, 4], True), (1, 2, [2, 4], True), (3, 2, [2, 4], True)]
+    assert r[0]['why'].startswith('first') and r[1]['why'].startswith('tied for places 2–4')
 
 
-def test_scores_equal_to_the_shown_decimals_are_ties():
-    a, b = entry(1, 1, 2, created=1), entry(2, 2, 0, created=2)
-    a['score'], b['score'] = 2.00001, 2.00004                              # both show as 2.000: accuracy decides
-    assert [e['id'] for e in rank_entries([a, b])['closed']] == [2, 1]
-    b['score'] = 1.9990
-    assert [e['id'] for e in rank_entries([a, b])['closed']] == [1, 2]
+def test_overlapping_intervals_tie_and_separate_ones_do_not():
+    a, b, c = entry(1, 1, created=1), entry(2, 2, created=2), entry(3, 3, created=3)
+    a['score'], a['score_ci'] = 2.10, [2.00, 2.20]
+    b['score'], b['score_ci'] = 2.05, [1.95, 2.15]                         # overlaps a: tied with it
+    c['score'], c['score_ci'] = 1.80, [1.70, 1.90]                         # wholly below both: third
+    r = rank_entries([c, b, a])['closed']
+    assert [(e['id'], e['band']) for e in r] == [(1, [1, 2]), (2, [1, 2]), (3, [3, 3])]
+    assert r[2]['why'] == 'place 3: the score intervals of 2 entries lie wholly above its own'
+    c['score_ci'] = [1.70, 1.97]                                            # now overlaps b but not a
+    r = rank_entries([c, b, a])['closed']
+    assert [(e['id'], e['band']) for e in r] == [(1, [1, 2]), (2, [1, 3]), (3, [2, 3])]
+
+
+def test_intervals_widen_with_the_job_noise():
+    raw = synthetic_measurement(Y, Y, jitter=0.05, rounds=20, calls=5)
+    alone, noisy = entry_metrics(raw, Y, ALL), entry_metrics(raw, Y, ALL, job_noise=0.05)
+    assert alone['score_ci'][0] < alone['score'] < alone['score_ci'][1]
+    assert noisy['score'] == alone['score'] and noisy['score_ci'][0] < alone['score_ci'][0]
+    assert entry_metrics(raw, Y, ALL) == alone                              # a fixed seed: the same interval every time
+    # the score's interval is half the speedup's on the log scale (the size has no noise)
+    lo, hi = noisy['speedup_ci']
+    assert math.log(noisy['score_ci'][1] / noisy['score_ci'][0]) == pytest.approx(math.log(hi / lo) / 2)
 
 
 def test_best_entry_per_participant_and_history_kept():
@@ -122,8 +140,39 @@ def test_flagged_and_gated_entries():
           entry(4, 4, 0)]
     r = rank_entries(es)
     assert [e['id'] for e in r['closed']] == [4]
-    assert sorted(e['id'] for e in r['open']) == [1, 4]
+    assert sorted(e['id'] for e in r['open']) == [4]                      # below the open track's floor too
     assert sorted(e['id'] for e in r['unranked']) == [2, 3]
+    assert 'below the accuracy floor' in r['standing'][1] and r['standing'][2].startswith('not ranked: failed compliance')
+    assert sorted(e['id'] for e in rank_entries(es, open_min_accuracy=0.5)['open']) == [1, 4]   # an instructor's lower floor
+
+
+def test_a_random_model_never_ranks_on_the_open_track():
+    junk = entry(9, 9, 180, ms=(0.1, 0.2), size=200)                     # 10 % accuracy, fast and small
+    es = [entry(1, 1, 0), entry(2, 2, 1, ms=(0.8, 1.5)), junk]
+    r = rank_entries(es)
+    assert 9 not in [e['id'] for e in r['open']] and all(e['on_front'] for e in r['open'])
+    assert r['standing'][9].startswith('closed track: fails the accuracy gate')
+
+
+def test_each_open_entry_says_why_it_ranks_there_and_others_who_stands_for_them():
+    es = [entry(1, 1, 0, ms=(1, 2), size=1000), entry(2, 2, 0, ms=(1, 2), size=2000),    # 2: dominated by 1 on size
+          entry(3, 1, 0, ms=(2, 4), size=1000)]                                         # p1's slower entry
+    r = rank_entries(es)
+    why = {e['id']: e['why'] for e in r['open']}
+    assert why[1].startswith('on the Pareto front')
+    assert why[2] == 'dominated by #1 (p1): as good or better on all three, better on size'
+    assert r['standing'] == {3: 'closed track: your entry #1 stands for you (score 3.364 against 2.378); open track: your '
+                                'entry #1 stands for you (its Pareto rank is better, or equal with higher accuracy or an '
+                                'earlier submission)'}
+
+
+def test_the_baseline_row():
+    es = [entry(1, 1, 0), entry(2, 2, 0, base_ms=(4.0, 8.0)), entry(3, 3, 0, base_ms=(3.0, 6.0))]
+    row = lb.baseline_row(es, 'digits_cnn')
+    assert row['latency_ms'] == {1: 3.0, 64: 8.0} and row['file_bytes'] == 4000 and row['accuracy'] == 1.0
+    assert row['baseline'] and row['score'] == row['speedup'] == row['compression'] == 1.0
+    assert lb.baseline_row([], 'digits_cnn') == dict(name='digits_cnn', baseline=True, speedup=1.0, compression=1.0,
+                                                    score=1.0, rel_latency=1.0)
 
 
 def test_pareto_ranks_by_non_dominated_sorting():
@@ -132,7 +181,7 @@ def test_pareto_ranks_by_non_dominated_sorting():
 
 
 def test_open_track_pareto_marks_and_order():
-    es = [entry(1, 1, 0, ms=(1, 2), size=1000), entry(2, 2, 10, ms=(0.5, 2), size=1000),   # faster, less accurate
+    es = [entry(1, 1, 0, ms=(1, 2), size=1000), entry(2, 2, 2, ms=(0.5, 2), size=1000),    # faster, less accurate
           entry(3, 3, 0, ms=(1, 2), size=2000),                                            # dominated by 1
           entry(4, 4, 0, ms=(1, 2), size=1000, created=0)]                                  # equals 1, earlier
     o = rank_entries(es)['open']

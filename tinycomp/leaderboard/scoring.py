@@ -13,28 +13,56 @@ from ..benchmarking.harness import mcnemar, wilson_interval
 from ..benchmarking.evaluation import pareto_mask
 
 # %% auto #0
-__all__ = ['GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION', 'SCORE_DECIMALS', 'SCORE_FORMULA', 'RULES',
-           'OPEN_OBJECTIVES', 'entry_metrics', 'synthetic_measurement', 'pareto_ranks', 'rank_entries']
+__all__ = ['GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION', 'SCORE_DECIMALS', 'Z95', 'SCORE_FORMULA', 'RULES',
+           'OPEN_OBJECTIVES', 'entry_metrics', 'synthetic_measurement', 'pareto_ranks', 'rank_bands', 'open_floor',
+           'rank_entries', 'baseline_row']
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #1a70a7ac
 GATE_POINTS, GATE_P = 1.0, 0.05           # closed track: accuracy >= baseline - 1 point, unless the drop is not significant
 MAX_SPEEDUP, MAX_COMPRESSION = 50.0, 32.0  # above either: investigated, not ranked
-SCORE_DECIMALS = 3                         # scores compare (and show) to 3 decimals; equal ones are ties
+SCORE_DECIMALS = 3                         # scores show to 3 decimals
+Z95 = 1.959964                             # the normal quantile of a two-sided 95 % interval
 SCORE_FORMULA = ("score = √(speedup × compression), where speedup = √(speedup@1 × speedup@64), speedup@b = baseline "
                  "median latency / entry median latency at batch size b (timed interleaved in the same job), and "
                  "compression = baseline file bytes / entry file bytes")
 RULES = (f"Closed track: accuracy ≥ baseline − {GATE_POINTS:g} point (a larger drop disqualifies only if McNemar's test "
-         f"gives p < {GATE_P:g}), ranked by score. Open track: ranked by Pareto rank over (accuracy ↑, latency at "
-         "batch 1 relative to the baseline ↓, file bytes ↓). Ties: accuracy, then submission time. Each participant's "
-         f"best entry per track is ranked. Not ranked: failed compliance checks, speedup > {MAX_SPEEDUP:g}× or "
-         f"compression > {MAX_COMPRESSION:g}× (under investigation).")
+         f"gives p < {GATE_P:g}), ranked by score. Every score has a 95 % interval: the spread of the job's own timed "
+         "rounds combined with the spread between repeated jobs measured on this server; entries whose intervals "
+         "overlap are tied, and an entry's place is 1 + the number of entries whose interval lies wholly above its own. "
+         "Open track: entries above the accuracy floor, ranked by Pareto rank over (accuracy ↑, latency at batch 1 "
+         "relative to the baseline ↓, file bytes ↓); equal Pareto ranks are ordered by accuracy, then submission time. "
+         "Each participant's best entry per track stands for them. A model you already submitted (the same arrays and "
+         "layers, whatever the file's metadata) is refused; a classmate's identical model is measured as their own "
+         f"entry. Not ranked: failed compliance checks, speedup > {MAX_SPEEDUP:g}× or compression > "
+         f"{MAX_COMPRESSION:g}× (under investigation).")
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #f078771a
 def _median(xs) -> float: return float(np.median(np.asarray(xs, dtype=np.float64)))
 
-def entry_metrics(raw: dict, labels, subset) -> dict:
+def _log_speedup_spread(base, sub, n_boot=1000) -> float:
+    """The standard deviation of the log speedup over the job's own timed rounds: for each batch size, the rounds'
+    log ratios (median baseline call / median entry call of the round) are resampled with replacement (`n_boot`
+    times, a fixed seed: the same raw measurement always gives the same interval), and the medians averaged over the
+    batch sizes as the speedup is. 0 when every round is identical (a made-up measurement)."""
+    calls = int((sub.get('settings') or {}).get('calls', 1))
+    rng, boot = np.random.default_rng(0), 0.0
+    batches = sorted(sub['latency'], key=int)
+    for b in batches:
+        tb, tc = (np.asarray(r['latency'][b]['samples_s'], dtype=np.float64) for r in (base, sub))
+        rounds = min(len(tb), len(tc)) // calls
+        per_round = np.log(np.median(tb[:rounds * calls].reshape(rounds, calls), axis=1) /
+                           np.median(tc[:rounds * calls].reshape(rounds, calls), axis=1))
+        boot = boot + np.median(per_round[rng.integers(0, rounds, (n_boot, rounds))], axis=1)
+    return float(np.std(boot / len(batches)))
+
+def _interval(value, log_sd) -> list:
+    return [value * math.exp(-Z95 * log_sd), value * math.exp(Z95 * log_sd)]
+
+def entry_metrics(raw: dict, labels, subset, job_noise: float = 0.0) -> dict:
     """Scores of one measurement `raw` ({'results': {'baseline': ..., 'submission': ...}} as `BenchmarkResult.to_dict`
-    gives them) on the evaluation samples `subset` (a boolean mask or indices) with true `labels`."""
+    gives them) on the evaluation samples `subset` (a boolean mask or indices) with true `labels`. `job_noise`: the
+    standard deviation of the log speedup between repeated jobs of one model (the server's calibration), added to
+    the job's own spread in the 95 % intervals of speedup and score."""
     base, sub = raw['results']['baseline'], raw['results']['submission']
     y = np.asarray(labels)[subset]
     b_ok = np.asarray(base['predictions'])[subset] == y
@@ -46,10 +74,12 @@ def entry_metrics(raw: dict, labels, subset) -> dict:
     p = float(mcnemar(b_ok, s_ok)['p_value'])
     batches = sorted(sub['latency'], key=int)
     lat = {int(b): _median(sub['latency'][b]['samples_s']) for b in batches}
-    speed = {int(b): _median(base['latency'][b]['samples_s']) / lat[int(b)] for b in batches}
+    base_lat = {int(b): _median(base['latency'][b]['samples_s']) for b in batches}
+    speed = {b: base_lat[b] / lat[b] for b in lat}
     speedup = math.exp(sum(math.log(s) for s in speed.values()) / len(speed))
     compression = base['file_bytes'] / sub['file_bytes']
     score = math.sqrt(speedup * compression)
+    log_sd = math.hypot(_log_speedup_spread(base, sub), float(job_noise))      # of the log speedup
     drop = (base_acc - acc) * 100
     gate = ('passed' if drop <= GATE_POINTS + 1e-9 else 'failed' if p < GATE_P else 'passed (drop not significant)')
     flags = []
@@ -63,24 +93,30 @@ def entry_metrics(raw: dict, labels, subset) -> dict:
                      f"above the plausibility limits ({MAX_SPEEDUP:g}x, {MAX_COMPRESSION:g}x)")
     return dict(accuracy=acc, accuracy_ci=list(wilson_interval(correct, n)), n=n, baseline_accuracy=base_acc,
                 dacc_points=(acc - base_acc) * 100, p_value=p, gate=gate, latency_ms={b: t * 1e3 for b, t in lat.items()},
-                speedup_at=speed, speedup=speedup, file_bytes=int(sub['file_bytes']),
-                baseline_file_bytes=int(base['file_bytes']), compression=compression, score=score,
-                bits_per_param=sub.get('bits_per_param'), params=sub.get('params'), flags=flags)
+                baseline_latency_ms={b: t * 1e3 for b, t in base_lat.items()}, speedup_at=speed, speedup=speedup,
+                speedup_ci=_interval(speedup, log_sd), rel_latency=1.0 / speed[min(speed)],
+                file_bytes=int(sub['file_bytes']), baseline_file_bytes=int(base['file_bytes']), compression=compression,
+                score=score, score_ci=_interval(score, log_sd / 2), bits_per_param=sub.get('bits_per_param'),
+                params=sub.get('params'), flags=flags)
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #5f5c3e9b
 def synthetic_measurement(base_pred, sub_pred, base_ms=(2.0, 8.0), sub_ms=(1.0, 2.0), base_bytes=4000, sub_bytes=1000,
-                          passed=True, repeat_ratio=1.0, batch_sizes=(1, 64)) -> dict:
-    "A raw measurement in the stored format, made up (for tests, examples and what-ifs): constant latency samples."
+                          passed=True, repeat_ratio=1.0, batch_sizes=(1, 64), jitter=0.0, seed=0, rounds=5, calls=1) -> dict:
+    """A raw measurement in the stored format, made up (for tests, examples and what-ifs): latency samples of
+    `rounds` x `calls` timed calls, constant, or with `jitter` > 0 each call's time multiplied by a log-normal factor
+    of that spread (drawn with `seed`)."""
+    rng = np.random.default_rng(seed)
     def result(pred, ms, size):
+        def samples(m): return (m * 1e-3 * np.exp(jitter * rng.standard_normal(rounds * calls))).tolist()
         return dict(predictions=list(map(int, pred)), file_bytes=int(size), params=1000, bits_per_param=8 * size / 1000,
-                    latency={str(b): dict(samples_s=[m * 1e-3] * 5) for b, m in zip(batch_sizes, ms)},
+                    latency={str(b): dict(samples_s=samples(m)) for b, m in zip(batch_sizes, ms)},
+                    settings=dict(rounds=rounds, calls=calls, batch_sizes=list(batch_sizes)),
                     compliance=dict(passed=passed, predictions_match=True, repeat_ratio=repeat_ratio))
     return dict(results=dict(baseline=result(base_pred, base_ms, base_bytes), submission=result(sub_pred, sub_ms, sub_bytes)))
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #202c5d4c
 OPEN_OBJECTIVES = ('accuracy', 'relative latency at batch 1', 'file bytes')
-
-def _rounded(score): return round(score, SCORE_DECIMALS)
+_OBJECTIVE_WORDS = ('accuracy', 'latency', 'size')
 
 def pareto_ranks(points, maximize) -> np.ndarray:
     "Non-dominated sorting: 1 for the Pareto front of `points` (n, k), 2 for the front of the rest, and so on."
@@ -92,35 +128,112 @@ def pareto_ranks(points, maximize) -> np.ndarray:
         left, r = left[~front], r + 1
     return ranks
 
-def _open_points(entries):
-    return [[e['accuracy'], 1.0 / e['speedup_at'][min(e['speedup_at'])], e['file_bytes']] for e in entries]
+def _open_point(e): return [e['accuracy'], e['rel_latency'], e['file_bytes']]
 
-def rank_entries(entries) -> dict:
-    """{'closed': rows, 'open': rows, 'unranked': rows}: each participant's best eligible entry per track, ranked (see
-    the rules); rows are copies of the entries with `rank` (and `pareto_rank` in the open track) added."""
+def _better(a, b) -> list:
+    "The objectives on which entry `a` is strictly better than `b`."
+    (aa, al, ab), (ba, bl, bb) = _open_point(a), _open_point(b)
+    return [w for w, better in zip(_OBJECTIVE_WORDS, (aa > ba, al < bl, ab < bb)) if better]
+
+def _dominates(a, b) -> bool:
+    (aa, al, ab), (ba, bl, bb) = _open_point(a), _open_point(b)
+    return aa >= ba and al <= bl and ab <= bb and bool(_better(a, b))
+
+def _words(xs): return xs[0] if len(xs) == 1 else ', '.join(xs[:-1]) + ' and ' + xs[-1]
+
+def _place_why(first, last, above, n_tied) -> str:
+    if last > first:
+        return (f"tied for places {first}–{last}: its score interval overlaps those of {n_tied} other "
+                f"entr{'y' if n_tied == 1 else 'ies'}" + (f", and {above} lie wholly above it" if above else ''))
+    if first == 1: return "first: its score interval lies wholly above every other entry's"
+    return f"place {first}: the score intervals of {above} entr{'y' if above == 1 else 'ies'} lie wholly above its own"
+
+def rank_bands(rows) -> None:
+    """Give each closed-track row (ordered by score) its place: `rank` = 1 + the number of rows whose `score_ci` lies
+    wholly above its own, `band` = [rank, last place it could take], `tied`, and `why` in one line."""
+    for e in rows:
+        lo, hi = e['score_ci']
+        above = sum(o['score_ci'][0] > hi for o in rows if o is not e)
+        below = sum(o['score_ci'][1] < lo for o in rows if o is not e)
+        first, last = 1 + above, len(rows) - below
+        e.update(rank=first, band=[first, last], tied=last > first,
+                 why=_place_why(first, last, above, len(rows) - 1 - above - below))
+
+def _floor_ok(e, open_min_accuracy):
+    return e['accuracy'] >= open_min_accuracy if open_min_accuracy else e['gate'] != 'failed'
+
+def open_floor(open_min_accuracy=None) -> str:
+    "The open track's accuracy floor in words."
+    if open_min_accuracy: return f"accuracy of at least {open_min_accuracy:.1%} (set by the instructor)"
+    return (f"the closed track's accuracy gate: at most {GATE_POINTS:g} point below the baseline, unless the drop is "
+            "not significant")
+
+def _pick(rows, key):
+    "Each participant's entry with the smallest `key`: {participant_id: entry}."
+    best = {}
+    for e in rows:
+        if e['participant_id'] not in best or key(e) < key(best[e['participant_id']]): best[e['participant_id']] = e
+    return best
+
+# %% ../../nbs/97b_leaderboard_scoring.ipynb #5ada646a
+def rank_entries(entries, open_min_accuracy=None) -> dict:
+    """{'closed': rows, 'open': rows, 'unranked': rows, 'standing': {id: line}}: each participant's best eligible
+    entry per track, ranked (see the rules). Closed rows get `rank`, `band`, `tied` and `why` (`rank_bands`); open rows
+    `rank`, `pareto_rank`, `on_front` and `why`; `standing` says, for every other entry, why it is not the one ranked.
+    Rows are copies of the entries. `open_min_accuracy`: the open track's floor (None or 0: the closed track's gate)."""
     entries = [dict(e) for e in entries]
     ok = [e for e in entries if not e['flags']]
     tie = lambda e: (-e['accuracy'], e['created'], e['id'])
-    # closed: best score per participant, then by score, accuracy, time
-    closed = {}
-    for e in ok:
-        if e['gate'] == 'failed': continue
-        key = (-_rounded(e['score']),) + tie(e)
-        if e['participant_id'] not in closed or key < closed[e['participant_id']][0]: closed[e['participant_id']] = (key, e)
-    closed_rows = [dict(e) for _, e in sorted(closed.values(), key=lambda ke: ke[0])]
-    for i, e in enumerate(closed_rows, 1): e['rank'] = i
-    # open: best Pareto rank per participant (among all eligible entries), then ranked again among those
-    open_rows = []
-    if ok:
-        mx = [True, False, False]
-        for e, r in zip(ok, pareto_ranks(_open_points(ok), mx)): e['_all_rank'] = int(r)
-        best = {}
-        for e in ok:
-            key = (e['_all_rank'],) + tie(e)
-            if e['participant_id'] not in best or key < best[e['participant_id']][0]: best[e['participant_id']] = (key, e)
-        chosen = [e for _, e in best.values()]
-        for e, r in zip(chosen, pareto_ranks(_open_points(chosen), mx)): e['pareto_rank'] = int(r)
-        open_rows = [{k: v for k, v in e.items() if k != '_all_rank'} for e in sorted(chosen, key=lambda e: (e['pareto_rank'],) + tie(e))]
-        for i, e in enumerate(open_rows, 1): e['rank'], e['on_front'] = i, e['pareto_rank'] == 1
-    unranked = [e for e in entries if e['flags']]
-    return dict(closed=closed_rows, open=open_rows, unranked=unranked)
+    closed = _pick([e for e in ok if e['gate'] != 'failed'], lambda e: (-e['score'],) + tie(e))
+    closed_rows = sorted((dict(e) for e in closed.values()), key=lambda e: (-e['score'],) + tie(e))
+    rank_bands(closed_rows)
+    # open: the best Pareto rank per participant among their entries above the floor, then ranked among those
+    above = [e for e in ok if _floor_ok(e, open_min_accuracy)]
+    mx = [True, False, False]
+    for e, r in zip(above, pareto_ranks([_open_point(e) for e in above], mx) if above else []): e['_all_rank'] = int(r)
+    chosen = [dict(e) for e in _pick(above, lambda e: (e['_all_rank'],) + tie(e)).values()]
+    for e, r in zip(chosen, pareto_ranks([_open_point(e) for e in chosen], mx) if chosen else []): e['pareto_rank'] = int(r)
+    open_rows = sorted(chosen, key=lambda e: (e['pareto_rank'],) + tie(e))
+    for i, e in enumerate(open_rows, 1):
+        e.update(rank=i, on_front=e['pareto_rank'] == 1)
+        over = [o for o in open_rows if o['pareto_rank'] == e['pareto_rank'] - 1 and _dominates(o, e)]
+        e['why'] = ("on the Pareto front: no other entry is at least as good on accuracy, latency and size and "
+                    "better on one" if not over else
+                    f"dominated by #{over[0]['id']} ({over[0]['name']}): as good or better on all three, better on "
+                    f"{_words(_better(over[0], e))}")
+        e.pop('_all_rank', None)
+    standing = _standing(entries, closed, {e['participant_id']: e for e in open_rows}, open_min_accuracy)
+    return dict(closed=closed_rows, open=open_rows, unranked=[e for e in entries if e['flags']], standing=standing)
+
+def _standing(entries, closed, opened, open_min_accuracy) -> dict:
+    out = {}
+    for e in entries:
+        who, parts = e['participant_id'], []
+        if e['flags']:
+            out[e['id']] = "not ranked: " + '; '.join(e['flags']); continue
+        c, o = closed.get(who), opened.get(who)
+        if e['gate'] == 'failed':
+            parts.append(f"closed track: fails the accuracy gate ({e['dacc_points']:+.1f} points, p = {e['p_value']:.3f})")
+        elif c is not None and c['id'] != e['id']:
+            parts.append(f"closed track: your entry #{c['id']} stands for you (score {c['score']:.{SCORE_DECIMALS}f} "
+                         f"against {e['score']:.{SCORE_DECIMALS}f})")
+        if not _floor_ok(e, open_min_accuracy):
+            parts.append(f"open track: below the accuracy floor ({open_floor(open_min_accuracy)})")
+        elif o is not None and o['id'] != e['id']:
+            parts.append(f"open track: your entry #{o['id']} stands for you (its Pareto rank is better, or equal "
+                         "with higher accuracy or an earlier submission)")
+        if parts: out[e['id']] = '; '.join(parts)
+    return out
+
+def baseline_row(entries, name) -> dict:
+    """The baseline as a row of the tables: its accuracy (on the same samples as `entries`), the median of its
+    latencies over the entries' jobs, its file bytes, and ratios of 1 by definition."""
+    row = dict(name=name, baseline=True, speedup=1.0, compression=1.0, score=1.0, rel_latency=1.0)
+    if not entries: return row
+    n = entries[0]['n']
+    correct = round(entries[0]['baseline_accuracy'] * n)
+    batches = sorted({b for e in entries for b in e['baseline_latency_ms']}, key=int)
+    return dict(row, accuracy=entries[0]['baseline_accuracy'], accuracy_ci=list(wilson_interval(correct, n)), n=n,
+                latency_ms={b: _median([e['baseline_latency_ms'][b] for e in entries if b in e['baseline_latency_ms']])
+                            for b in batches},
+                file_bytes=entries[0]['baseline_file_bytes'], score_ci=[1.0, 1.0], speedup_ci=[1.0, 1.0])
