@@ -208,7 +208,8 @@ def test_the_page_of_the_class_states_how_it_measured_and_shows_the_baseline_eve
     assert page.count('<table>') == page.count('<tr class="base">')      # the baseline: a row of every table
     closed = page[page.index('<h2>Closed track'):page.index('<h2>Open track')]
     assert all(f">{r['score']:.3f}</b>" in closed for r in board['tracks']['closed'])
-    assert any(r['tied'] for r in board['tracks']['closed']) == ('title="tied for places' in closed)
+    assert all(f'>={r["rank"]}<small class="band">{r["band"][0]}–{r["band"][1]}<' in closed
+               for r in board['tracks']['closed'] if r['tied']) and any(r['tied'] for r in board['tracks']['closed'])
     opened = page[page.index('<h2>Open track'):page.index('<h2>Pareto plots')]
     assert all(html_escape(r['why']) in opened for r in board['tracks']['open'])
     assert html_escape(board['open_floor']) in opened and html_escape(board['rules']) in page
@@ -297,3 +298,18 @@ def test_the_class_page_in_headless_chromium(class_page, tmp_path, chromium, wid
     out = _shots_dir(tmp_path)
     if out:
         for f in tmp_path.glob('leaderboard-*.png'): shutil.copy(f, out / f.name)
+
+
+def test_a_page_before_anything_is_measured(tmp_path):
+    store = open_store(tmp_path / 'lb.db', create=True)
+    store.init(rounds=2, calls=1, isolate=False)
+    assert 'No ranked entries yet' in render_page(store) and '<svg class="plot"' not in render_page(store)
+    store.issue_token('<i>Ana</i>')
+    pid, task = store.query("SELECT id FROM participants")[0]['id'], store.task()
+    with store.tx() as c:                                                 # a submission waiting for the worker
+        c.execute("INSERT INTO files VALUES ('f', 1, x'00')")
+        c.execute("INSERT INTO submissions (participant_id, task_id, sha256, created, status, file_bytes, unpacked_bytes, "
+                  "params, flops, kind) VALUES (?, ?, 'f', ?, 'queued', 1, 1, 1, 1, 'float')", (pid, task['id'], time.time()))
+    page = render_page(store)
+    assert '&lt;i&gt;Ana&lt;/i&gt;: 1 submission' in page and 'queued' in page
+    store.disconnect()

@@ -33,10 +33,11 @@ def _name(r, styles) -> str:
     return (swatch(st, r['name']) if st else '') + esc(r['name'])
 
 def _rank(r) -> str:
-    if not r.get('tied'): return str(r['rank'])
+    "The place; when the score intervals of several entries overlap, '=3' (tied from place 3) and the band '3–5'."
+    why = f' title="{esc(r["why"])}"' if r.get('why') else ''
+    if not r.get('tied'): return f'<span{why}>{r["rank"]}</span>'
     first, last = r['band']
-    return (f'<span title="tied for places {first}–{last}: the score intervals overlap">={first}'
-            f'<small class="band">{first}–{last}</small></span>')
+    return f'<span{why}>={first}<small class="band">{first}–{last}</small></span>'
 
 def _score(r) -> str:
     lo, hi = r['score_ci']
@@ -134,7 +135,7 @@ h1{font-size:1.5rem;margin:.3em 0}h2{font-size:1.2rem;margin:1.2em 0 .4em;border
 table{border-collapse:separate;border-spacing:0;font-size:.9rem;white-space:nowrap;--rw:4.8em}
 th,td{padding:4px 6px;border-bottom:1px solid #e3e3e3;text-align:right;background:#fff}
 th{background:#f0f0f0;position:sticky;top:0;z-index:1}
-td.t,th.t,th.why{text-align:left}td.why{white-space:normal;min-width:16em;text-align:left}
+td.t,th.t,th.why{text-align:left}td.why{white-space:normal;min-width:24em;text-align:left}
 th.r,td.r{position:sticky;left:0;z-index:2;box-sizing:border-box;width:var(--rw);min-width:var(--rw);max-width:var(--rw);text-align:left}
 th.nm,td.nm{position:sticky;left:var(--rw);z-index:2;text-align:left;box-shadow:2px 0 0 #e3e3e3}
 th.r,th.nm{z-index:3}
@@ -154,7 +155,7 @@ figure{margin:0;flex:1 1 400px;max-width:560px}
 details{margin:.3em 0}summary{cursor:pointer}.flag{color:#a40}
 @media (max-width:600px){
  body{padding:6px}th,td{padding:3px 4px}table{font-size:.8rem;--rw:2.6em}
- td.nm{max-width:7.5em;min-width:5.5em}.band{display:none}.ci{display:block;margin:0}
+ td.nm{max-width:7.5em;min-width:5.5em}td.why{min-width:16em}.band{display:none}.ci{display:block;margin:0}
  figure{flex-basis:100%;max-width:none}
 }
 """
@@ -163,7 +164,8 @@ details{margin:.3em 0}summary{cursor:pointer}.flag{color:#a40}
 def _measured_on(lb) -> str:
     m, base = lb['measurement'], lb['baseline']
     batches = ' and '.join(str(b) for b in m['batch_sizes'])
-    return (f"Measured on {esc(m['cpu'])} ({m['cores']} cores) with {m['threads']} "
+    cpu = f"{esc(m['cpu'])} ({m['cores']} cores)" if m.get('cpu') else "the server's CPU"
+    return (f"Measured on {cpu} with {m['threads']} "
             f"thread{'s' if m['threads'] != 1 else ''}: each job times the entry and the baseline interleaved in one "
             f"process, {m['rounds']} rounds of {m['calls']} calls at batch sizes {batches}"
             f"{', both models frozen for deployment' if m['deployed'] else ''}. Every speedup, compression and score is "
@@ -180,9 +182,10 @@ def _history(lb, hist, styles, pids) -> str:
              ('gate', 't'), ('note', 'why')]
     for name, subs in hist.items():
         if not subs: continue
-        rows = [['–', '', 'baseline', '', _acc(base), f"{1:.{SCORE_DECIMALS}f}", fmt_bytes(base['file_bytes']), '', '']]
+        rows = [['–', '', 'baseline', '', _acc(base), f"{1:.{SCORE_DECIMALS}f}", fmt_bytes(base['file_bytes']), '', '']
+                ] if 'accuracy' in base else []                  # the baseline's numbers come with the first measurement
         for s in subs:
-            note = '; '.join(s.get('flags', [])) or s.get('reason') or _standing(lb, s['id']) or ''
+            note = s.get('reason') or _standing(lb, s['id']) or '; '.join(s.get('flags', []))
             rows.append([f"#{s['id']}", _date(s), esc(s['status']), esc(s.get('kind', '')),
                          _acc(s) if 'accuracy' in s else '–', f"{s['score']:.{SCORE_DECIMALS}f}" if 'score' in s else '–',
                          fmt_bytes(s['file_bytes']), esc(s.get('gate', '–')), esc(note)])
@@ -191,7 +194,7 @@ def _history(lb, hist, styles, pids) -> str:
                   if r['participant_id'] == pid]
         out.append(f'<details><summary>{swatch(st, name) if st else ""}{esc(name)}: {len(subs)} '
                    f'submission{"s" if len(subs) != 1 else ""}{"; " + ", ".join(places) if places else ""}</summary>' +
-                   _table(heads, rows, {0: 'base'}) + '</details>')
+                   _table(heads, rows, {0: 'base'} if 'accuracy' in base else {}) + '</details>')
     return ('<section><h2>History</h2><p class="rules">Every submission, oldest first; the note says why an entry does '
             'not count where it does not.</p>' + ''.join(out) + '</section>') if out else ''
 
@@ -216,7 +219,7 @@ def render_page(store, private=None) -> str:
              'place 3).</p>' + (_closed_table(lb, bs, styles) if lb['tracks']['closed'] else none) + '</section>',
              '<section><h2>Open track</h2><p class="rules">Ranked by Pareto rank over (accuracy ↑, batch-1 latency '
              'relative to the baseline ↓, file size ↓); the shaded rows are the Pareto front. '
-             f"{esc(lb['open_floor'])}</p>" + (_open_table(lb, bs, styles) if lb['tracks']['open'] else none) + '</section>',
+             f"The open track's accuracy floor: {esc(lb['open_floor'])}.</p>" + (_open_table(lb, bs, styles) if lb['tracks']['open'] else none) + '</section>',
              _plots(lb, every, styles)]
     if lb['unranked']:
         heads = [('#', 'r'), ('name', 'nm'), ('accuracy', ''), ('speedup', ''), ('compression', ''), ('why', 'why')]
