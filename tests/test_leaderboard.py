@@ -1,5 +1,7 @@
 """tinycomp.leaderboard (scoring, validation, store, submissions, worker, page, cli): scoring, ranking, the store,
 acceptance and limits, the worker, the page, the CLI."""
+import copy
+import io
 import json
 import math
 import os
@@ -206,10 +208,18 @@ def files(tmp_path_factory):
     int8 = run_stage('quantize_static', base, {}, ctx)
     out = dict(dir=d, task=d / 'task.npz', baseline=pretrained_path('digits_cnn'))
     out['int8'] = tio.save(int8, d / 'int8.npz')
-    for i in range(3):                                      # the same model, different bytes
-        out[f'int8_{i}'] = tio.save(int8, d / f'int8_{i}.npz', metadata={'copy': i})
-    out['float'] = tio.save(base, d / 'float.npz', metadata={'copy': 'float'})
+    for i in range(3):                                      # three more models: the baseline nudged, then quantized
+        out[f'int8_{i}'] = tio.save(run_stage('quantize_static', nudged(base, i + 1), {}, ctx), d / f'int8_{i}.npz')
+    out['float'] = tio.save(nudged(base, 10), d / 'float.npz', metadata={'copy': 'float'})   # not the baseline itself
     return out
+
+
+def nudged(model, k):
+    "A copy of `model` with its first weight scaled by 1 - k/1000: another model, as accurate."
+    m = copy.deepcopy(model)
+    w = next(iter(m.parameters()))
+    w.data = w.data * np.float32(1 - k / 1000)
+    return m
 
 
 def make_store(tmp_path, files, **settings):
@@ -235,7 +245,7 @@ def test_store_is_wal_versioned_and_migrates(tmp_path):
     assert not c.execute("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'").fetchall()
     c.close()
     s = lb.open_store(tmp_path / 'old.db')
-    assert int(s._meta('schema_version')) == 2
+    assert int(s._meta('schema_version')) == lb.SCHEMA_VERSION
     assert s.query("SELECT name FROM sqlite_master WHERE name = 'submissions_by_participant'")
     with s.tx() as c: c.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     s.disconnect()
@@ -320,6 +330,10 @@ def test_accept_queues_and_every_refusal_writes_nothing(tmp_path, files, monkeyp
     refused(401, 'unknown token', '', data)
     refused(409, "task's baseline", tok, files['baseline'].read_bytes())
     refused(422, 'not an acceptable tinycomp model file', tok, b'hello')
+    torch_zip = io.BytesIO()
+    with zipfile.ZipFile(torch_zip, 'w') as zf: zf.writestr('model/data.pkl', b'\x80\x02}q\x00.')
+    refused(422, r'looks like a PyTorch file, not a tinycomp model file: convert it first with `tinycomp import`',
+            tok, torch_zip.getvalue())
     s.configure(max_file_bytes=1000)
     refused(413, 'more than the limit of 1,000', tok, data)
     s.configure(max_file_bytes=16 << 20)
@@ -327,9 +341,9 @@ def test_accept_queues_and_every_refusal_writes_nothing(tmp_path, files, monkeyp
     assert sub['status'] == 'queued' and sub['name'] == 'ann' and sub['file_bytes'] == len(data) and sub['kind'] == 'quantized'
     assert s.query("SELECT sha256 FROM files WHERE size = ?", (len(data),))[0]['sha256'] == sub['sha256']
     before = (count(s), count(s, 'files'))
-    refused(409, f"already submitted as entry #{sub['id']}", tok, data)
+    refused(409, f"you already submitted this model as your entry #{sub['id']}", tok, data)
     other = s.issue_token('ben')
-    refused(409, f"entry #{sub['id']}", other, data)       # someone else's copy of the same file
+    assert s.accept(other, data)['name'] == 'ben'           # someone else's copy of the same file: their own entry
 
 
 def hostile(tmp_path, files, name, edit_manifest=None, edit_arrays=None):
@@ -404,10 +418,10 @@ def test_rate_limit_says_when_the_next_submission_is_allowed(tmp_path, files):
 def test_concurrent_acceptance_never_refuses_a_valid_file(tmp_path, files):
     "CPython gh-106905: .npy header parsing in parallel threads once raised SystemError; validation holds a lock."
     s = make_store(tmp_path, files, rate_per_day=0)
-    model = tio.load(files['int8'])
+    models = [nudged(load_pretrained('digits_cnn'), j + 1) for j in range(5)]
     blobs = []
-    for i in range(40):
-        tio.save(model, tmp_path / 'c.npz', metadata={'i': i})
+    for i in range(40):                                     # each participant sends five models, classmates the same ones
+        tio.save(models[i % 5], tmp_path / 'c.npz', metadata={'i': i})
         blobs.append((tmp_path / 'c.npz').read_bytes())
     tokens = [s.issue_token(f'user{i}') for i in range(8)]
     errors, ids = [], []
@@ -583,9 +597,9 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     out = capsys.readouterr().out
     assert 'accepted as #1' in out and 'measured' in out and 'score' in out and 'closed track' in out
     assert main(['submit', str(files['int8']), '--local', '--db', db]) == 2
-    assert 'tinycomp: error: submission refused (409): this exact file was already submitted as entry #1' in capsys.readouterr().err
+    assert 'tinycomp: error: submission refused: you already submitted this model as your entry #1' in capsys.readouterr().err
     assert main(['submit', str(files['float']), '--local', '--db', db, '--token', 'bad']) == 2
-    assert '(401)' in capsys.readouterr().err
+    assert 'submission refused: missing or unknown token' in capsys.readouterr().err
     assert main(['leaderboard', 'show', '--db', db, '--json']) == 0
     assert json.loads(capsys.readouterr().out)['task'] == 'tiny'
     assert main(['leaderboard', 'show', '--db', db]) == 0 and 'closed track' in capsys.readouterr().out
@@ -598,7 +612,7 @@ def test_cli_init_token_submit_show_html_export_close_remove(tmp_path, files, ca
     assert main(['leaderboard', 'remove', '1', '--reason', 'test', '--db', db]) == 0 and 'removed' in capsys.readouterr().out
     assert main(['leaderboard', 'close', '--db', db]) == 0
     assert main(['leaderboard', 'worker', '--db', db, '--once', '--in-process']) == 0
-    assert 'measured 0 submission(s)' in capsys.readouterr().out
+    assert 'measured 0 job(s)' in capsys.readouterr().out
     # one-line errors
     assert main(['leaderboard', 'show', '--db', str(tmp_path / 'none.db')]) == 2
     err = capsys.readouterr().err
@@ -655,3 +669,40 @@ def test_a_residual_network_is_measured_against_the_limits_through_its_graph(tmp
         assert [r['flops'] > 0 and r['params'] == 0 for r in rows if r['type'] in ('Add', 'QuantizedAdd')] == [True, True]
     with pytest.raises(SubmissionRejected, match='FLOPs per sample, more than the limit of 1,000'):
         validate_model_bytes(tio.save(float_model, tmp_path / 'm.npz').read_bytes(), X, 10, dict(DEFAULT_SETTINGS, max_flops=1000))
+
+
+# ---------------------------------------------------------------- the calibration of the noise between jobs
+def test_calibrate_measures_the_job_noise_and_widens_every_interval(tmp_path, files, capsys):
+    s = make_store(tmp_path, files, rate_per_day=0)
+    s.accept(s.issue_token('ann'), files['int8'].read_bytes())
+    assert lb.measure_next(s) == 1
+    before = s.leaderboard()['tracks']['closed'][0]
+    assert s.calibration is None and s.job_noise == 0.0
+    assert main(['leaderboard', 'calibrate', '--db', str(s.path), '--jobs', '3', '--in-process']) == 0
+    out = capsys.readouterr().out
+    assert 'calibration job 3/3' in out and 'against its int8 version' in out and 'job noise' in out
+    cal = s.calibration
+    assert cal['jobs'] == 3 and len(cal['speedups']) == 3 and cal['job_noise'] > 0
+    assert s.job_noise == cal['job_noise']
+    after = s.leaderboard()['tracks']['closed'][0]
+    assert after['score'] == before['score']                               # the same measurement ...
+    assert after['score_ci'][0] < before['score_ci'][0] and after['score_ci'][1] > before['score_ci'][1]   # ... wider
+    with pytest.raises(TinycompError, match='at least 2 jobs'): lb.calibrate(s, jobs=1)
+    with pytest.raises(TinycompError, match='calibration_jobs 0 or >= 2'): s.configure(calibration_jobs=1)
+
+
+def test_a_worker_that_runs_for_good_calibrates_once_before_its_first_job(tmp_path, files):
+    s = make_store(tmp_path, files, calibration_jobs=2)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, '-m', 'tinycomp.cli', 'leaderboard', 'worker', '--db', str(s.path),
+                             '--in-process'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(root)))
+    try:
+        deadline = time.monotonic() + 180
+        while s.calibration is None and time.monotonic() < deadline and proc.poll() is None: time.sleep(0.5)
+        assert s.calibration is not None and s.calibration['jobs'] == 2
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert 'calibration job 2/2' in out and 'Traceback' not in out
+    assert lb.run_worker(s.path, once=True, log=None) == 0 and s.calibration['jobs'] == 2   # --once: no new calibration

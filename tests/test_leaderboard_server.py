@@ -43,7 +43,7 @@ from tinycomp.nn.modules import Flatten, Linear, Sequential
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = dict(rounds=2, calls=1)             # the harness at its cheapest: these tests check plumbing, not speed
+FAST = dict(rounds=2, calls=1, calibration_jobs=0)   # the harness at its cheapest: these tests check plumbing, not speed
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -292,7 +292,7 @@ def test_api_end_to_end(task, tmp_path, capsys):
         out = capsys.readouterr().out
         assert 'by Ada' in out and 'measured' in out and 'closed track' in out and 'score' in out
         # refusals from the client are one line, with the server's status and reason
-        with pytest.raises(TinycompError, match=r'\(HTTP 409\): this exact file was already submitted as entry #'):
+        with pytest.raises(TinycompError, match=r'\(HTTP 409\): you already submitted this model as your entry #'):
             submit_remote(f3, url, ada, progress=False)
         with pytest.raises(TinycompError, match=r'\(HTTP 401\): unknown token'):
             submit_remote(f3, url, 'not-a-token', progress=False)
@@ -455,7 +455,7 @@ def test_every_abuse_case_is_refused_and_writes_nothing(task, tmp_path):
         # the rate limit (2 a day here), a duplicate and a closed competition
         assert post(server.url, good, ada)[0] == 202
         status, body, _ = post(server.url, good, ada)
-        assert status == 409 and 'already submitted as entry #1' in body['error']
+        assert status == 409 and 'you already submitted this model as your entry #1' in body['error']
         assert post(server.url, variant(8, tmp_path), ada)[0] == 202
         before = snapshot(store.path)
         status, body, _ = post(server.url, variant(9, tmp_path), ada)

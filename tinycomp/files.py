@@ -9,7 +9,6 @@ __all__ = ['LAYERS', 'CONTAINERS', 'atomic_write', 'write_json', 'write_npz', 'o
 # %% ../nbs/90a_files.ipynb #8ca7fddd
 import json
 import os
-import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,11 +18,16 @@ from .errors import TinycompError
 
 # %% ../nbs/90a_files.ipynb #3c95b5a0
 @contextmanager
-def atomic_write(path):
-    "Open a temporary file beside `path` for binary writing; on success it replaces `path`, on error it vanishes."
+def atomic_write(path, mode=0o600):
+    """Open a temporary file beside `path` for binary writing; on success it replaces `path`, on error it vanishes.
+    `mode`: the new file's permissions, less the umask (as for any new file): by default only its owner may read it;
+    0o644 for a file the group and others may read too (a page, an export)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+    while True:                          # a fresh name beside `path`, created here and nowhere else (O_EXCL)
+        tmp = path.parent / f'.{path.name}.{os.urandom(6).hex()}.tmp'
+        try: fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode); break
+        except FileExistsError: continue
     try:
         with os.fdopen(fd, 'wb') as f:
             yield f

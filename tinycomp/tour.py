@@ -11,7 +11,7 @@ import time
 import tinycomp
 from .benchmarking.evaluation import evaluation_report, format_evaluation, plot_critical_failures
 from .benchmarking.harness import predict
-from .benchmarking.compression import compress
+from .benchmarking.compression import baseline_note, compress
 from .benchmarking.stages import DEFAULT_RECIPE, load_recipe
 from .data import load_splits, split_sizes
 from .errors import TinycompError
@@ -74,7 +74,7 @@ def tour(retrain=False, out='tinycomp_tour', threads=1, progress=True, model='di
                    agreement=ev['agreement'], critical_failures=ev['critical_failures'],
                    stages=[r['stage'] for r in report.rows], files=[str(p) for p in (model_path, report_json, stages_png,
                                                                                       failures_png, curve)])
-    say('', "4. what the whole recipe bought on this machine, in this run:",
+    say('', "4. what the whole recipe bought on this machine, in this run:", f"   ({baseline_note(model, data)})",
         f"   file       {first['file_bytes']:,} -> {last['file_bytes']:,} bytes: {last['compression']:.1f}x smaller",
         *[f"   batch {b:<4d} {first['latency_ms'][b]:.3f} -> {last['latency_ms'][b]:.3f} ms: {_faster(last['speedup'][b])} "
           f"(speedup {last['speedup'][b]:.2f}, 95% CI {last['speedup_ci'][b][0]:.2f} to {last['speedup_ci'][b][1]:.2f})" for b in (1, 64)],

@@ -4,69 +4,142 @@
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #f610a7d9
 from __future__ import annotations
-import contextlib, json, os, sys, time
+import contextlib, csv, io, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
 
+import tinycomp
 from ..errors import TinycompError
 from ..files import atomic_write
 from .scoring import SCORE_DECIMALS, SCORE_FORMULA
 from .validation import SubmissionRejected
-from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store
+from .store import DEFAULT_SETTINGS, SHIPPED_TASKS, open_store, read_class_list
 from . import submissions  # noqa: F401  (gives Store the methods the commands call)
-from .worker import measure_next, run_worker
+from .worker import calibrate, measure_next, run_worker
 from .page import render_page
-from .client import submit_remote
-from .app import LEADERBOARD_EXTRA, serve
+from .client import (check_model_file, my_submissions, place_of, status_line,
+                                         submit_remote)
+from .app import LEADERBOARD_EXTRA, gate_reason, json_bytes, own_history, serve, waiting_info
 
 # %% auto #0
-__all__ = ['format_submission', 'format_leaderboard', 'submit_local', 'add_serve_action', 'add_leaderboard_cli', 'add_submit_cli']
+__all__ = ['format_submission', 'format_leaderboard', 'submit_local', 'add_serve_action', 'add_leaderboard_cli', 'add_submit_cli',
+           'format_history', 'add_submissions_cli']
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #c3587446
+_DONE = {'remove': 'removed', 'restore': 'restored'}
+
+def _ci(ci, fmt) -> str:
+    return f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci and None not in ci else ''
+
+def _track_line(track, spot, sid) -> str:
+    "Where the learner's best entry stands on one track, from `place_of`."
+    if spot is None: return f"  {track} track: none of your entries is ranked"
+    who = 'this entry' if spot['entry'] == sid else f"entry #{spot['entry']}"
+    band = spot.get('band') or [spot['rank'], spot['rank']]
+    tied = f" (tied: ranks {band[0]}-{band[1]})" if spot.get('tied') else ''
+    why = f" ({spot['why']})" if spot.get('why') and not tied else ''
+    return f"  {track} track: your best, {who}, is #{spot['rank']} of {spot['of']}{tied}{why}"
+
 def format_submission(sub) -> str:
-    "A few lines about one submission for the terminal: status, and the scores and ranks once measured."
+    """A few lines about one submission for the terminal: status, and once measured the scores with their intervals,
+    where the learner's best entries stand (or why this one does not stand for them) and the baseline."""
     head = f"#{sub['id']} by {sub['name']} ({sub['date']}): {sub['status']}"
     if sub.get('reason'): head += f" - {sub['reason']}"
-    if 'scores' not in sub: return head
-    s = sub['scores']
+    trail = [f"  {_DONE[a['action']]} by the instructor ({a['date']}): {a['reason']}" for a in sub.get('actions') or []]
+    if 'scores' not in sub: return '\n'.join([head] + trail)
+    s, place = sub['scores'], sub.get('place')
     lat = ', '.join(f"b{b} {v:.3f} ms ({s['speedup_at'][b]:.2f}x)" for b, v in s['latency_ms'].items())
-    rank = ', '.join(f"{k} track: {'#' + str(v) if v else 'not ranked'}" for k, v in sub['rank'].items())
-    lines = [head, f"  accuracy {s['accuracy']:.2%} on the {sub['split']} part ({s['dacc_points']:+.2f} points vs the "
-                   f"baseline, p = {s['p_value']:.3f}; gate {s['gate']})",
-             f"  {'deployment latency (both models frozen)' if sub.get('deployed') else 'latency'} {lat}; speedup {s['speedup']:.2f}x",
-             f"  file {s['file_bytes']:,} bytes, compression "
-             f"{s['compression']:.2f}x; score {s['score']:.{SCORE_DECIMALS}f}", f"  {rank}"]
+    lines = [head, f"  accuracy {s['accuracy']:.2%}{_ci(s.get('accuracy_ci'), '.1%')} on the {sub['split']} part "
+                   f"({s['dacc_points']:+.2f} points vs the baseline, p = {s['p_value']:.3f}; gate {s['gate']})",
+             f"  {'deployment latency (both models frozen)' if sub.get('deployed') else 'latency'} {lat}; "
+             f"speedup {s['speedup']:.2f}x{_ci(s.get('speedup_ci'), '.2f')}",
+             f"  file {s['file_bytes']:,} bytes, compression {s['compression']:.2f}x; "
+             f"score {s['score']:.{SCORE_DECIMALS}f}" + (f"{_ci(s['score_ci'], f'.{SCORE_DECIMALS}f')} (95 % interval)"
+                                                         if s.get('score_ci') else '')]
+    if s['gate'] == 'failed': lines.append(f"  ! the accuracy gate failed: {gate_reason(s)}")
     lines += [f"  ! {f}" for f in s['flags']]
-    return '\n'.join(lines)
+    if place:
+        lines += [_track_line(t, spot, sub['id']) for t, spot in place['tracks'].items()]
+        if place.get('standing'): lines.append(f"  this entry: {place['standing']}")
+        if place.get('baseline'):
+            lines.append(f"  speedup, compression and score are relative to the task's baseline, {place['baseline']} "
+                         "(1.0: as fast and as small as it)")
+    else:
+        lines.append('  ' + ', '.join(f"{k} track: {'#' + str(v) if v else 'not ranked'}" for k, v in sub['rank'].items()))
+    return '\n'.join(lines + trail)
+
+def _rank(r) -> str: return f"{r['rank']}{'=' if r.get('tied') else ''}"
 
 def format_leaderboard(lb) -> str:
-    "The tracks as text tables."
+    "The tracks as text tables (a tied rank ends in '=': the score intervals of the entries sharing it overlap)."
     lines = [f"{lb['task']}: {'closed' if lb['closed'] else 'open'}, {lb['split']} scores on {lb['samples']} samples"
              f"{', latency of the models frozen for deployment' if lb.get('deployed') else ''}",
-             SCORE_FORMULA, '', 'closed track']
-    lines.append(f"{'rank':>4}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'compr.':>8}{'score':>8}  date")
+             SCORE_FORMULA]
+    if (lb.get('baseline') or {}).get('name'):
+        lines.append(f"every ratio is relative to the baseline {lb['baseline']['name']} (speedup, compression and score 1.0)")
+    cis = any(r.get('score_ci') for r in lb['tracks']['closed'])
+    lines += ['', 'closed track', f"{'rank':>5}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'compr.':>8}{'score':>8}"
+                                  f"{'95 % interval' if cis else '':>17}  date"]
     for r in lb['tracks']['closed']:
-        lines.append(f"{r['rank']:>4}  {r['name'][:19]:<20}{r['accuracy']:>9.2%}{r['speedup']:>8.2f}x"
-                     f"{r['compression']:>7.2f}x{r['score']:>8.{SCORE_DECIMALS}f}  {r['date']}")
-    lines += ['', 'open track (Pareto rank over accuracy, relative latency, bytes)',
-              f"{'rank':>4}{'pareto':>7}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'bytes':>11}  date"]
+        lines.append(f"{_rank(r):>5}  {r['name'][:19]:<20}{r['accuracy']:>9.2%}{r['speedup']:>8.2f}x"
+                     f"{r['compression']:>7.2f}x{r['score']:>8.{SCORE_DECIMALS}f}"
+                     f"{_ci(r.get('score_ci'), f'.{SCORE_DECIMALS}f'):>17}  {r['date']}")
+    lines += ['', 'open track (Pareto rank over accuracy, relative latency, bytes)'
+                  + (f"; {lb['open_floor']}" if lb.get('open_floor') else ''),
+              f"{'rank':>5}{'pareto':>7}  {'name':<20}{'accuracy':>9}{'speedup':>9}{'bytes':>11}  date"]
     for r in lb['tracks']['open']:
-        lines.append(f"{r['rank']:>4}{r['pareto_rank']:>7}  {r['name'][:19]:<20}{r['accuracy']:>9.2%}"
+        lines.append(f"{_rank(r):>5}{r['pareto_rank']:>7}  {r['name'][:19]:<20}{r['accuracy']:>9.2%}"
                      f"{r['speedup']:>8.2f}x{r['file_bytes']:>11,}  {r['date']}")
     for r in lb['unranked']: lines.append(f"not ranked: #{r['id']} {r['name']}: {'; '.join(r['flags'])}")
     return '\n'.join(lines)
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #5dd6e4bd
+_MEASURE_CODE = ("import sys; from tinycomp.leaderboard.cli import _measure_until; "
+                 "_measure_until(sys.argv[1], int(sys.argv[2]))")
+
+def _state(store, sid) -> dict:
+    return store.query("SELECT id, status, started FROM submissions WHERE id = ?", (int(sid),))[0]
+
+def _measure_until(db_path, sid):
+    "Measure the queue of the store at `db_path` until submission `sid` is done (the child `submit_local` starts)."
+    store = open_store(db_path)
+    while _state(store, sid)['status'] in ('queued', 'measuring'):
+        if measure_next(store) is None: time.sleep(0.2)    # another worker holds the job: wait for it
+
+def _measuring_process(db_path, sid, errors):
+    env = dict(os.environ)
+    root = str(Path(tinycomp.__file__).resolve().parent.parent)   # so the child imports this same tinycomp
+    env['PYTHONPATH'] = root + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
+    return subprocess.Popen([sys.executable, '-c', _MEASURE_CODE, str(db_path), str(sid)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors)
+
 def submit_local(store, model_path, token, log=print) -> dict:
-    "Accept `model_path` into `store` and measure the queue in this process until it is measured; the submission."
-    model_path = Path(model_path)
-    if not model_path.is_file(): raise TinycompError(f"no model file at {model_path}")
-    try: sub = store.accept(token, model_path.read_bytes())
-    except SubmissionRejected as e: raise TinycompError(f"submission refused ({e.status}): {e.reason}") from None
-    if log: log(f"accepted as #{sub['id']}; measuring (baseline and model interleaved, batch sizes "
-                f"{', '.join(map(str, store.settings['batch_sizes']))}) ...")
-    while sub['status'] in ('queued', 'measuring'):
-        if measure_next(store) is None: time.sleep(0.2)      # another worker holds the job: wait for it
-        sub = store.submission(sub['id'])
+    """Accept `model_path` into `store`, measure the queue in a child Python process until it is measured, and return
+    the submission with its `place` (see `client.place_of`). `log`: the status lines (None: silent)."""
+    path = check_model_file(model_path)
+    try: sub = store.accept(token, path.read_bytes())
+    except SubmissionRejected as e: raise TinycompError(f"submission refused: {e.reason}") from None
+    say, sid, shown = log or (lambda msg: None), sub['id'], None
+    say(f"accepted as #{sid}; it is measured against the baseline, interleaved, at batch sizes "
+        f"{', '.join(map(str, store.settings['batch_sizes']))}")
+    with tempfile.TemporaryFile() as errors:
+        proc = _measuring_process(store.path, sid, errors)
+        try:
+            while (row := _state(store, sid))['status'] in ('queued', 'measuring'):
+                info = waiting_info(store, row)
+                if (row['status'], info.get('queue_position')) != shown:
+                    say(status_line(dict(row, **info))); shown = (row['status'], info.get('queue_position'))
+                if proc.poll() is not None and _state(store, sid)['status'] in ('queued', 'measuring'):
+                    errors.seek(0)
+                    tail = errors.read().decode('utf-8', 'replace').strip().splitlines()[-1:] or ['no message']
+                    raise TinycompError(f"the measuring process stopped (exit code {proc.returncode}: {tail[0]}); "
+                                        f"submission #{sid} is safe in {store.path}: measure it with `tinycomp "
+                                        f"leaderboard worker --db {store.path} --once`")
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None: proc.terminate()
+            proc.wait()
+    sub = store.submission(sid)
+    if sub['status'] == 'measured': sub['place'] = place_of(sub, store.leaderboard())
     return sub
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #f1c94bcc
@@ -74,7 +147,7 @@ def _write_page(store, page, private=None) -> Path:
     page = Path(page)
     if page.is_dir(): raise TinycompError(f"--page {page} is a folder; give a file name")
     if not page.parent.is_dir(): raise TinycompError(f"--page {page}: the folder {page.parent} does not exist")
-    with atomic_write(page) as f: f.write(render_page(store, private).encode('utf-8'))
+    with atomic_write(page, mode=0o644) as f: f.write(render_page(store, private).encode('utf-8'))   # for others to read
     return page
 
 def _token_arg(args) -> str:
@@ -82,15 +155,66 @@ def _token_arg(args) -> str:
     if not token: raise TinycompError("give your token with --token T (or the environment variable TINYCOMP_TOKEN)")
     return token
 
+def _final_line(final, db) -> str:
+    "What the final measurement is doing, in a line (or two)."
+    if not final['chosen']:
+        return (f"final measurement: waiting for {final['waiting']} submission(s) to be measured; then each participant's "
+                f"counted entries are measured again (a worker does it: `tinycomp leaderboard worker --db {db}` or the server's)")
+    line = f"final measurement: {final['done']} of {final['done'] + final['pending'] + len(final['failed'])} counted entries measured"
+    if final['pending']: line += f" ({final['pending']} to go: a worker measures them, `tinycomp leaderboard worker --db {db}` or the server's)"
+    for f in final['failed']:
+        line += f"\n  #{f['id']} {f['name']}: the final measurement failed ({f['reason']}); ranked with its measurement at submission"
+    return line
+
+def _dates_line(d, final=None) -> str:
+    "The phase and the dates in a line."
+    if d['phase'] == 'closed': return f"closed since {final['closed_at']}" if final else 'closed'
+    closes = f"closes {d['closes']}" if d['closes'] else "no close date (it closes when you run `tinycomp leaderboard close`)"
+    return f"not open yet: opens {d['opens']}; {closes}" if d['phase'] == 'not open yet' else f"open; {closes}"
+def _removed(store) -> list:
+    "Every removed entry with the instructor's reason."
+    return store.query("SELECT s.id, p.name, s.reason FROM submissions s JOIN participants p ON p.id = s.participant_id "
+                       "WHERE s.status = 'removed' ORDER BY s.id")
+
+def _write_tokens(store, class_csv, out) -> dict:
+    "Register every name of the class list `class_csv` and write name,token rows to the new file `out` (owner only)."
+    out = Path(out)
+    if out.exists():
+        raise TinycompError(f"--write {out} already exists; tokens are shown only once, so give a new file name "
+                            "(and keep the old file)")
+    if not out.parent.is_dir(): raise TinycompError(f"--write {out}: the folder {out.parent} does not exist")
+    names = read_class_list(class_csv)
+    with store.tx():                                     # registered and written together, or neither
+        tokens = store.issue_tokens(names)
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator='\n')
+        w.writerow(['name', 'token'])
+        w.writerows(tokens.items())
+        with atomic_write(out) as f: f.write(buf.getvalue().encode('utf-8'))     # 0o600: it holds secrets
+    return tokens
+
+def _run_admin(args) -> int:
+    "`restore` and `tokens`."
+    store = open_store(args.db)
+    if args.lb_command == 'restore':
+        print(format_submission(store.restore(args.id, args.reason)))
+    else:
+        tokens = _write_tokens(store, args.csv, args.write)
+        print(f"registered {len(tokens)} participants; their tokens are in {args.write}, readable by you only: give each "
+              "their own privately")
+    return 0
+
 def _run_lb(args) -> int:
     a = args.lb_command
+    if a in ('restore', 'tokens'): return _run_admin(args)
     if a == 'init':
         if (args.task_data is None) != (args.baseline is None):
             raise TinycompError("--task-data and --baseline go together (or give neither for a shipped --task)")
         if args.task_data is None and args.name: raise TinycompError("--name needs --task-data")
         if args.task_data is not None and args.task is not None: raise TinycompError("give --task or --task-data, not both")
         existed = Path(args.db).exists()
-        settings = {k: v for k, v in (('rate_per_day', args.rate), ('rounds', args.rounds)) if v is not None}
+        settings = {k: v for k, v in (('rate_per_day', args.rate), ('rounds', args.rounds),
+                                      ('open_min_accuracy', args.open_min_accuracy)) if v is not None}
         if args.deployed: settings['deployed'] = True
         try:
             store = open_store(args.db, create=True)
@@ -107,13 +231,19 @@ def _run_lb(args) -> int:
               f"{'; every model timed frozen for deployment' if args.deployed else ''}")
         print(f"next: `tinycomp leaderboard token NAME --db {args.db}` for each participant, then run a worker or a server")
     elif a == 'token':
-        token = open_store(args.db).issue_token(args.name)
+        store = open_store(args.db)
+        token = store.reissue_token(args.name) if args.new else store.issue_token(args.name)
         print(token)
-        print(f"(the token of {args.name!r}; it is shown only now: give it to them privately)", file=sys.stderr)
+        print(f"(the {'new ' if args.new else ''}token of {args.name!r}; it is shown only now: give it to them privately"
+              f"{'; their old one no longer works' if args.new else ''})", file=sys.stderr)
     elif a == 'show':
         store = open_store(args.db)
-        lb = store.leaderboard(True if args.private else None)
-        print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb))
+        lb = dict(store.leaderboard(True if args.private else None), removed=_removed(store))
+        if not args.json:
+            print(_dates_line(lb, lb['final']))
+            if lb['final'] and lb['split'] == 'private': print(_final_line(lb['final'], args.db))
+        print(json.dumps(lb, indent=1) if args.json else format_leaderboard(lb) + ''.join(
+            f"\nremoved: #{r['id']} {r['name']}: {r['reason']}" for r in lb['removed']))
     elif a == 'html':
         page = _write_page(open_store(args.db), args.page, True if args.private else None)
         print(f"wrote {page}")
@@ -123,15 +253,26 @@ def _run_lb(args) -> int:
         if args.csv: print(f"wrote {store.export_csv(args.csv)}")
         if args.json: print(f"wrote {store.export_json(args.json)}")
     elif a == 'close':
-        open_store(args.db).close()
-        print("closed: no more submissions; the page and `show` now rank on the private part")
+        final = open_store(args.db).close()
+        print("closed: no more submissions; the page and `show` now rank each participant's counted entries (their best "
+              "of each track in the public ranking), measured again, on the private part")
+        print(_final_line(final, args.db))
+    elif a == 'reopen':
+        print(f"reopened: {_dates_line(open_store(args.db).reopen(closes=args.closes))}; the page shows public scores again")
+    elif a == 'schedule':
+        print(_dates_line(open_store(args.db).schedule(opens=args.opens, closes=args.closes)))
     elif a == 'remove':
         sub = open_store(args.db).remove(args.id, args.reason)
         print(format_submission(sub))
     elif a == 'worker':
         open_store(args.db)                                  # a clear error if there is no such store
         n = run_worker(args.db, once=args.once, isolate=False if args.in_process else None)
-        print(f"measured {n} submission(s)")
+        print(f"measured {n} job(s)")
+    elif a == 'calibrate':
+        store = open_store(args.db)
+        cal = calibrate(store, jobs=args.jobs, isolate=False if args.in_process else None, log=print)
+        print(f"job noise {cal['job_noise']:.1%} of the log speedup ({cal['pair']}; speedups "
+              f"{', '.join(f'{v:.3f}' for v in cal['speedups'])}); every score's interval now includes it")
     return 0
 
 def _run_submit(args) -> int:
@@ -166,6 +307,20 @@ def add_serve_action(leaderboard_subparsers):
     p.set_defaults(func=_serve_command)
     return p
 
+def _add_admin_actions(action):
+    "Register `restore ID --reason R` and `tokens --csv FILE --write FILE` with the `action` helper of `add_leaderboard_cli`."
+    p = action('restore', 'undo a removal, with a reason',
+               'Restore a removed entry: it is ranked again if it was measured (else it is queued and measured); its '
+               'history keeps both reasons.')
+    p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
+    p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
+    p = action('tokens', 'register a whole class from a CSV list; write their tokens to a file',
+               "Register every name of a class list (a CSV file whose first line names its columns, one of them "
+               "'name') and write name,token rows to a new file only you can read. All or nothing: a missing column, "
+               "an empty or repeated name, or a name already registered is reported and nobody is registered.")
+    p.add_argument('--csv', required=True, metavar='FILE', help="the class list: a CSV file with a 'name' column")
+    p.add_argument('--write', required=True, metavar='FILE', help='a new file for the name,token rows (readable by you only)')
+
 def add_leaderboard_cli(subparsers):
     "Register `tinycomp leaderboard ACTION ...` on an argparse `subparsers` object; returns its parser."
     lb = subparsers.add_parser('leaderboard', help='run a compression leaderboard for a class (instructor)',
@@ -190,10 +345,14 @@ def add_leaderboard_cli(subparsers):
     p.add_argument('--rounds', type=int, metavar='N', help=f"harness rounds per job (default {DEFAULT_SETTINGS['rounds']})")
     p.add_argument('--deployed', action='store_true', help='time the baseline and every entry frozen for deployment '
                    '(BatchNorm folded, activations fused, buffers planned: the deployment latency) instead of as loaded')
+    p.add_argument('--open-min-accuracy', type=float, metavar='F',
+                   help="the open track's accuracy floor, a fraction like 0.9 (default 0: the closed track's gate)")
     p = action('token', "register a participant and print their token (shown once)",
                "Register a participant under a display name and print their token. Only the token's sha256 is "
                "stored, so it cannot be shown again: give it to them privately.")
     p.add_argument('name', metavar='NAME', help='their display name on the page (at most 40 characters)')
+    p.add_argument('--new', action='store_true', help='a new token for a registered participant (lost or leaked); '
+                   'their old one stops working')
     p = action('show', 'print the ranked tracks', 'Print the closed and open tracks, ranked (public scores while the '
                'competition is open, private ones once it is closed).')
     p.add_argument('--json', action='store_true', help='print the leaderboard as JSON')
@@ -207,17 +366,37 @@ def add_leaderboard_cli(subparsers):
                'the raw measurements as JSON.')
     p.add_argument('--csv', metavar='FILE', help='write one row per submission here')
     p.add_argument('--json', metavar='FILE', help='write both leaderboards, every submission and every raw measurement here')
-    action('close', 'close the competition: no more submissions, rank on the private part',
-           'Close the competition: no more submissions are accepted, and the tables, ranks and page switch to the '
-           'private part of the evaluation set.')
+    action('close', 'close the competition: no more submissions, final measurements, rank on the private part',
+           "Close the competition: no more submissions are accepted; each participant's counted entries (their best "
+           'of each track in the public ranking) are measured again by the worker, and the tables, ranks and page '
+           'rank them on the private part of the evaluation set. Closing again changes nothing.')
+    p = action('reopen', 'open a closed competition again',
+               'Open a closed competition again: submissions are accepted, the final measurements of the close are set '
+               'aside and the page shows public scores. A close date that has passed must be moved (--closes) or removed.')
+    p.add_argument('--closes', metavar='WHEN', help="a new close date, e.g. '2026-12-08 18:00' (UTC) or "
+                   "'2026-12-08T19:00+01:00'; 'none' removes it")
+    p = action('schedule', 'set when the competition opens and closes (UTC)',
+               'Set the dates: before --opens submissions are refused; at --closes the competition closes itself '
+               'as if you ran `close` then. Without options, print the phase and the dates.')
+    p.add_argument('--opens', metavar='WHEN', help="e.g. '2026-12-01 18:00' (UTC) or ISO 8601 with an offset; 'none' removes it")
+    p.add_argument('--closes', metavar='WHEN', help="e.g. '2026-12-08 18:00' (UTC) or ISO 8601 with an offset; 'none' removes it")
     p = action('remove', 'remove (disqualify) an entry with a reason',
                'Remove (disqualify) an entry: it is never ranked again, and its history shows the reason.')
     p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
     p.add_argument('--reason', required=True, help='why (shown in the participant\'s history)')
+    _add_admin_actions(action)
     p = action('worker', 'measure queued submissions one at a time (run next to the server)',
                'Measure queued submissions one at a time, each against the baseline in the same run, in a child '
                'process with a hard time budget; jobs left half-measured by a killed worker are measured again.')
     p.add_argument('--once', action='store_true', help='stop when the queue is empty')
+    p.add_argument('--in-process', action='store_true', help='measure in this process (no hard time budget)')
+    p = action('calibrate', 'measure the noise between measurement jobs (the server does it once by itself)',
+               "Measure one fixed pair (the baseline against its int8 version) in several separate jobs, like a "
+               "submission's, and store the spread of their speedups: the job noise that every score's 95 % interval "
+               "includes. `serve` and `worker` do it once before the first job; run it again after moving the server "
+               "to another machine.")
+    p.add_argument('--jobs', type=int, metavar='N', help=f"jobs (default: the calibration_jobs setting, "
+                   f"{DEFAULT_SETTINGS['calibration_jobs']})")
     p.add_argument('--in-process', action='store_true', help='measure in this process (no hard time budget)')
     add_serve_action(sub)
     lb.set_defaults(func=lambda args: _run_lb(args) if args.lb_command else (lb.print_help(), 0)[1])
@@ -228,11 +407,64 @@ def add_submit_cli(subparsers):
     s = subparsers.add_parser('submit', help='submit a model file to a leaderboard (learner)',
                               description='Submit a tinycomp model file: the leaderboard measures it against the '
                                           'baseline and prints its scores and rank.')
-    s.add_argument('model', metavar='MODEL_FILE', help='the model file (written by tinycomp.io.save or tinycomp compress)')
+    s.add_argument('model', metavar='MODEL_FILE', help='the model file (written by tinycomp.io.save, tinycomp compress or '
+                                                      'tinycomp import)')
     s.add_argument('--server', metavar='URL', help='the leaderboard server, e.g. http://127.0.0.1:8000')
     s.add_argument('--local', action='store_true', help='no server: accept and measure in this process (with --db)')
     s.add_argument('--db', metavar='PATH', help='the leaderboard database (with --local)')
-    s.add_argument('--token', metavar='T', help='your token (default: the environment variable TINYCOMP_TOKEN)')
-    s.add_argument('--no-progress', action='store_true', help='no progress output while uploading and waiting')
+    s.add_argument('--token', metavar='T', help="your token (default: the environment variable TINYCOMP_TOKEN); "
+                                                "write --token=T when it starts with '-'")
+    s.add_argument('--no-progress', action='store_true', help='no progress bar while uploading (the status lines stay)')
     s.set_defaults(func=_run_submit)
+    return s
+
+# %% ../../nbs/97j_leaderboard_cli.ipynb #0b23c7f6
+def format_history(h) -> str:
+    "A learner's own submissions (`GET /api/me`, `app.own_history`) for the terminal, oldest first."
+    lines = [f"{h['name']}'s submissions to {h['task']} ({h['split']} scores; every ratio relative to the baseline "
+             f"{h['baseline']})" + ('' if h['submissions'] else ': none yet')]
+    for s in h['submissions']:
+        head = f"#{s['id']} ({s['date']}): "
+        if s['status'] in ('queued', 'measuring'): head += status_line(s).split(' ', 2)[2]
+        else: head += s['status'] + (f" - {s['reason']}" if s.get('reason') else '')
+        if 'score' in s:
+            head += (f", score {s['score']:.{SCORE_DECIMALS}f}{_ci(s.get('score_ci'), f'.{SCORE_DECIMALS}f')}, "
+                     + ', '.join(f"{t} track {'#' + _rank(dict(rank=r, tied=s.get('tied'))) if r else 'not ranked'}"
+                                 for t, r in s['rank'].items()))
+        lines.append(head)
+        if 'score' not in s: continue
+        lat = ', '.join(f"b{b} {v:.3f} ms" for b, v in s['latency_ms'].items())
+        lines.append(f"   accuracy {s['accuracy']:.2%} ({s['dacc_points']:+.2f} points; gate {s['gate']}); speedup "
+                     f"{s['speedup']:.2f}x{_ci(s.get('speedup_ci'), '.2f')}; latency {lat}; compression {s['compression']:.2f}x")
+        if s.get('gate_reason'): lines.append(f"   ! the accuracy gate failed: {s['gate_reason']}")
+        lines += [f"   ! {f}" for f in s.get('flags') or ()]
+        if s.get('standing'): lines.append(f"   {s['standing']}")
+    return '\n'.join(lines)
+
+def _run_submissions(args) -> int:
+    token = _token_arg(args)
+    if args.local:
+        if not args.db: raise TinycompError("--local needs --db PATH (the leaderboard database)")
+        store = open_store(args.db)
+        who = store.participant(token)
+        if who is None: raise TinycompError("unknown token: check the token your instructor gave you")
+        h = json.loads(json_bytes(own_history(store, who, store.leaderboard(), store.entries())))
+    elif args.server: h = my_submissions(args.server, token)
+    else: raise TinycompError("give --server URL (or --local --db PATH for a class without a server)")
+    print(json.dumps(h, indent=1) if args.json else format_history(h))
+    return 0
+
+def add_submissions_cli(subparsers):
+    "Register `tinycomp submissions --server URL [--token T]` on an argparse `subparsers` object; returns its parser."
+    s = subparsers.add_parser('submissions', help='list your own leaderboard submissions and their scores (learner)',
+                              description='List every submission of yours to a leaderboard: status (and why one '
+                                          'failed), scores with their 95 %% intervals, latency per batch size, the '
+                                          'accuracy gate, your rank on each track. Only yours: the token says who you are.')
+    s.add_argument('--server', metavar='URL', help='the leaderboard server, e.g. http://127.0.0.1:8000')
+    s.add_argument('--local', action='store_true', help='no server: read the leaderboard database itself (with --db)')
+    s.add_argument('--db', metavar='PATH', help='the leaderboard database (with --local)')
+    s.add_argument('--token', metavar='T', help="your token (default: the environment variable TINYCOMP_TOKEN); "
+                                                "write --token=T when it starts with '-'")
+    s.add_argument('--json', action='store_true', help='print them as JSON')
+    s.set_defaults(func=_run_submissions)
     return s

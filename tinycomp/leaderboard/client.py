@@ -4,14 +4,15 @@
 
 # %% ../../nbs/97h_leaderboard_client.ipynb #4435e84e
 from __future__ import annotations
-import json, time, urllib.error, urllib.parse, urllib.request
+import json, re, ssl, sys, time, urllib.error, urllib.parse, urllib.request, zipfile
 from pathlib import Path
 
 import tinycomp
 from ..errors import TinycompError
 
 # %% auto #0
-__all__ = ['USER_AGENT', 'FINAL_STATES', 'submit_remote']
+__all__ = ['USER_AGENT', 'FINAL_STATES', 'SMALL_UPLOAD', 'server_base', 'unreachable', 'foreign_format', 'check_model_file',
+           'ordinal', 'status_line', 'place_of', 'submit_remote', 'my_submissions']
 
 # %% ../../nbs/97h_leaderboard_client.ipynb #3c5df002
 def _size(n) -> str:
@@ -22,29 +23,81 @@ def _size(n) -> str:
 USER_AGENT = f"tinycomp/{tinycomp.__version__}"
 FINAL_STATES = ('measured', 'failed', 'removed')
 
-def _base_url(url) -> str:
+def server_base(url) -> str:
+    "The server's address from what a learner typed: scheme, host, port and any path prefix, without `/api...` or a trailing slash."
     u = urllib.parse.urlsplit(str(url).strip())
     if u.scheme not in ('http', 'https') or not u.netloc:
         raise TinycompError(f"{url!r} is not a server address: give one like http://HOST:PORT")
-    return f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}"
+    path = re.sub(r'/api(/.*)?$', '', u.path.rstrip('/'))
+    return f"{u.scheme}://{u.netloc}{path}"
+
+def _root(base) -> str:
+    u = urllib.parse.urlsplit(base)
+    return f"{u.scheme}://{u.netloc}"
 
 def _reason(e: urllib.error.HTTPError) -> str:
     "The server's one-line reason of an HTTP error response."
     try: return str(json.loads(e.read().decode('utf-8'))['error'])
     except Exception: return e.reason or f"HTTP {e.code}"
 
-def _get_json(url, timeout=30):
-    req = urllib.request.Request(url, headers={'User-Agent': USER_AGENT, 'Accept': 'application/json'})
-    with urllib.request.urlopen(req, timeout=timeout) as r: return json.loads(r.read().decode('utf-8'))
+def _get_json(url, token=None, timeout=30):
+    headers = {'User-Agent': USER_AGENT, 'Accept': 'application/json'}
+    if token: headers['Authorization'] = f'Bearer {token}'
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+        return json.loads(r.read().decode('utf-8'))
 
-def _upload(path, size, url, token, progress, chunk=256 << 10) -> dict:
+def unreachable(base, e) -> TinycompError:
+    "The one-line error of a request to the server at `base` that got no HTTP answer (`e`: a URLError or OSError)."
+    why = getattr(e, 'reason', e)
+    if isinstance(why, ssl.SSLCertVerificationError):
+        return TinycompError(f"the HTTPS certificate of {base} is not trusted ({why.verify_message}): check the address "
+                             "with your instructor")
+    if isinstance(why, ssl.SSLError) and base.startswith('https:'):
+        return TinycompError(f"the server at {base} does not speak HTTPS: use http://{base[len('https://'):]}")
+    return TinycompError(f"cannot reach the leaderboard server at {base}: {why}")
+
+# %% ../../nbs/97h_leaderboard_client.ipynb #513c00dc
+_ONNX_SECOND_FIELDS = {0x12, 0x1a, 0x22, 0x28, 0x32, 0x3a, 0x42}   # ModelProto fields 2-8, after ir_version (field 1)
+
+def foreign_format(path) -> str | None:
+    "'PyTorch' or 'ONNX' when the file at `path` is one by its first bytes (never unpickled or parsed), else None."
+    with open(path, 'rb') as f: head = f.read(16)
+    if head[:1] == b'\x80' and head[1:2] in (b'\x02', b'\x03', b'\x04', b'\x05'): return 'PyTorch'
+    if head[:4] == b'PK\x03\x04':
+        try:
+            with zipfile.ZipFile(path) as zf: names = zf.namelist()
+        except (zipfile.BadZipFile, OSError, ValueError): return None
+        return 'PyTorch' if any(n == 'data.pkl' or n.endswith('/data.pkl') for n in names) else None
+    if len(head) >= 3 and head[0] == 0x08 and 1 <= head[1] <= 30 and head[2] in _ONNX_SECOND_FIELDS: return 'ONNX'
+    return None
+
+def check_model_file(path) -> Path:
+    "`path` as a Path, or a TinycompError when there is no file there or it is a PyTorch or ONNX file (with how to convert it)."
+    path = Path(path)
+    if not path.is_file(): raise TinycompError(f"no model file at {path}")
+    kind = foreign_format(path)
+    if kind == 'ONNX':
+        raise TinycompError(f"{path} looks like an ONNX file, not a tinycomp model file: convert it first with "
+                            f"`tinycomp import {path} --out DIR` and submit the DIR/{path.stem}.npz it writes")
+    if kind == 'PyTorch':
+        raise TinycompError(f"{path} looks like a PyTorch file, not a tinycomp model file: export it to ONNX "
+                            "(torch.onnx.export), convert that with `tinycomp import MODEL.onnx --out DIR` and submit "
+                            "the DIR/MODEL.npz it writes")
+    return path
+
+# %% ../../nbs/97h_leaderboard_client.ipynb #cb7a5606
+SMALL_UPLOAD = 1 << 20      # up to this many bytes: no bar, one line once the server has answered
+
+def _upload(path, size, url, token, progress, base, chunk=64 << 10) -> dict:
     from tqdm import tqdm
     with open(path, 'rb') as f, tqdm(total=size, unit='B', unit_scale=True, unit_divisor=1024, desc='uploading',
-                                     disable=not progress, leave=False) as bar:
+                                     file=sys.stderr, mininterval=0.2, leave=False,
+                                     disable=not progress or size <= SMALL_UPLOAD) as bar:
         def body():
             while block := f.read(chunk):
-                bar.update(len(block))
                 yield block
+                bar.update(len(block))
+            bar.set_description_str('uploaded; the server is checking the file')
         req = urllib.request.Request(url, data=body(), method='POST', headers={
             'Authorization': f'Bearer {token}', 'Content-Type': 'application/octet-stream',
             'Content-Length': str(size), 'User-Agent': USER_AGENT, 'Accept': 'application/json'})
@@ -53,48 +106,127 @@ def _upload(path, size, url, token, progress, chunk=256 << 10) -> dict:
         except urllib.error.HTTPError as e:
             raise TinycompError(f"the server refused the submission (HTTP {e.code}): {_reason(e)}") from None
         except (urllib.error.URLError, OSError) as e:
-            why = getattr(e, 'reason', None) or e
-            raise TinycompError(f"the upload to {url} failed: {why} (check the address; if the server restarted, "
-                                "submit again: a file it already accepted is answered with its entry)") from None
+            if isinstance(getattr(e, 'reason', e), ssl.SSLError): raise unreachable(base, e) from None
+            raise TinycompError(f"the upload to {url} failed: {getattr(e, 'reason', e)} (check the address; if the "
+                                "server restarted, submit again: a file it already accepted is answered with its entry)") from None
 
-def _wait(base, sub, progress, timeout, poll) -> dict:
-    from tqdm import tqdm
+# %% ../../nbs/97h_leaderboard_client.ipynb #bc4d9643
+def ordinal(n: int) -> str:
+    "1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+def _duration(seconds) -> str:
+    s = max(1, round(seconds))
+    return f"{s} s" if s < 120 else f"{round(s / 60)} min"
+
+def _about(seconds) -> str: return f"about {_duration(seconds)}"
+
+def status_line(sub) -> str:
+    "One line about a submission that waits (queued or measuring), with its place in the queue and the expected wait."
+    sid, status, wait = sub['id'], sub.get('status'), sub.get('expected_wait_s')
+    if status == 'queued':
+        pos = sub.get('queue_position')
+        line = f"submission #{sid} queued" + (f": {ordinal(pos)} in line" if pos else '')
+        return line + (f", its measurement starts in {_about(wait)}" if wait is not None else '')
+    if status == 'measuring':
+        return f"submission #{sid} measuring" + (f" ({_about(wait)})" if wait is not None else '')
+    return f"submission #{sid} {status}"
+
+# %% ../../nbs/97h_leaderboard_client.ipynb #df57ff17
+def _clock() -> str: return time.strftime('%H:%M:%S')
+
+def _wait(base, sub, log, timeout, poll, patience) -> dict:
     sid, url = sub['id'], f"{base}/api/submissions/{sub['id']}"
-    deadline, errors, entry = time.monotonic() + timeout, 0, sub
-    with tqdm(total=None, desc=f"submission {sid}: {sub.get('status', 'queued')}", bar_format='{desc} [{elapsed}]',
-              disable=not progress, leave=False) as bar:
-        while entry.get('status') not in FINAL_STATES:
-            if time.monotonic() > deadline:
-                raise TinycompError(f"submission {sid} is still {entry.get('status')} after {timeout:.0f} s; "
-                                    f"its result will appear at {url}")
-            time.sleep(poll)
-            try: entry, errors = _get_json(url), 0
-            except urllib.error.HTTPError as e:
-                raise TinycompError(f"cannot follow submission {sid} (HTTP {e.code}): {_reason(e)}") from None
-            except (urllib.error.URLError, OSError) as e:
-                errors += 1                  # the server may be restarting: the submission is safe in its database
-                if errors * poll > 120:
-                    raise TinycompError(f"lost contact with the server while submission {sid} was "
-                                        f"{entry.get('status')}: {getattr(e, 'reason', e)}; its result will appear at {url}") from None
-            bar.set_description_str(f"submission {sid}: {entry.get('status')}")
-            bar.update()
-    return entry
+    deadline, entry, shown, down = time.monotonic() + timeout, sub, None, None
+    while True:
+        key = (entry.get('status'), entry.get('queue_position'))
+        if key != shown and entry.get('status') not in FINAL_STATES:
+            log(status_line(entry)); shown = key
+        if entry.get('status') in FINAL_STATES: return entry
+        if time.monotonic() > deadline:
+            raise TinycompError(f"submission #{sid} is still {entry.get('status')} after {_duration(timeout)}; its result "
+                                f"will appear at {url} and on the page {base}/")
+        time.sleep(poll)
+        try: got, problem = _get_json(url, timeout=10), None
+        except urllib.error.HTTPError as e:
+            if e.code < 500: raise TinycompError(f"cannot follow submission #{sid} (HTTP {e.code}): {_reason(e)}") from None
+            problem = f"HTTP {e.code}"
+        except (urllib.error.URLError, OSError) as e: problem = str(getattr(e, 'reason', e))
+        if problem is None:
+            if down is not None:
+                log(f"the server answers again (no answer for {_duration(time.monotonic() - down[0])})"); shown = None
+            entry, down = got, None
+            continue
+        if down is None:
+            down = (time.monotonic(), _clock())
+            log(f"the server is not answering since {down[1]} ({problem}); your submission #{sid} is safe in its "
+                f"database; still trying for {_duration(patience)} ...")
+        elif time.monotonic() - down[0] > patience:
+            raise TinycompError(f"the server at {base} has not answered since {down[1]} ({problem}); your submission "
+                                f"#{sid} is safe in its database and will be measured when the server runs again: its "
+                                f"result will appear at {url} and on the page {base}/ (or run `tinycomp submissions "
+                                f"--server {base}`)") from None
 
-def submit_remote(model_path, url, token, progress=True, timeout=1800.0, poll=0.5) -> dict:
+# %% ../../nbs/97h_leaderboard_client.ipynb #fe1ed7ae
+def place_of(sub, board) -> dict:
+    """{'baseline': name, 'split', 'tracks': {track: None or {rank, of, tied, band, entry, why}}, 'standing': line or None}:
+    where the learner of submission `sub` stands on each track of `board` (a leaderboard as the server sends it)."""
+    tracks = {}
+    for track, rows in board['tracks'].items():
+        mine = next((r for r in rows if r.get('participant_id') == sub.get('participant_id')), None)
+        tracks[track] = None if mine is None else dict(rank=mine['rank'], of=len(rows), tied=bool(mine.get('tied')),
+                                                       band=mine.get('band'), entry=mine['id'], why=mine.get('why'))
+    standing = {str(k): v for k, v in (board.get('standing') or {}).items()}.get(str(sub['id']))
+    return dict(baseline=(board.get('baseline') or {}).get('name'), split=board.get('split'), tracks=tracks,
+                standing=standing)
+
+# %% ../../nbs/97h_leaderboard_client.ipynb #53cae056
+def _stderr(msg): print(msg, file=sys.stderr, flush=True)
+
+def _server_info(base) -> dict:
+    "GET /api/info, or a one-line error: the address has a path the server does not serve, or is not a leaderboard."
+    try: info = _get_json(f"{base}/api/info")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise TinycompError(f"{base} answers, but not as a leaderboard server: give the server's address alone, "
+                                f"like {_root(base)} (no /api or other path)") from None
+        raise TinycompError(f"the leaderboard server at {base} answered HTTP {e.code}: {_reason(e)}") from None
+    except (urllib.error.URLError, OSError) as e: raise unreachable(base, e) from None
+    except ValueError:
+        raise TinycompError(f"{base} answers, but not as a leaderboard server: check the address") from None
+    if not isinstance(info, dict) or info.get('server') != 'tinycomp':
+        raise TinycompError(f"{base} answers, but not as a tinycomp leaderboard server: check the address")
+    return info
+
+def submit_remote(model_path, url, token, progress=True, timeout=1800.0, poll=0.5, patience=120.0, log=_stderr) -> dict:
     """Upload the model file `model_path` to the leaderboard server at `url` with the participant's `token`, wait until
     the server has measured it (or failed to, or the instructor removed it) and return the submission: status, and
-    when measured its scores and ranks (`cli.format_submission` prints it). `progress`: progress bars on stderr
-    while uploading and waiting. A refusal raises a TinycompError with the server's status and reason."""
-    path = Path(model_path)
-    if not path.is_file(): raise TinycompError(f"no model file at {path}")
+    when measured its scores, ranks and `place` (see `place_of`; `cli.format_submission` prints it all). `log`: the
+    status lines (None: silent); `progress`: the bar of a large upload; `patience`: seconds to keep trying while the
+    server does not answer. A refusal raises a TinycompError with the server's status and reason."""
+    path = check_model_file(model_path)
     if not token: raise TinycompError("no token: pass the token your instructor gave you (--token)")
-    base, size = _base_url(url), path.stat().st_size
-    try: info = _get_json(f"{base}/api/info")
-    except urllib.error.HTTPError: info = {}
-    except (urllib.error.URLError, OSError) as e:
-        raise TinycompError(f"cannot reach the leaderboard server at {base}: {getattr(e, 'reason', e)}") from None
-    limit = info.get('max_body')
+    log = log or (lambda msg: None)
+    base, size = server_base(url), path.stat().st_size
+    limit = _server_info(base).get('max_body')
     if isinstance(limit, int) and size > limit:
         raise TinycompError(f"{path} is {_size(size)}, over the server's limit of {_size(limit)}: submit a smaller model file")
-    sub = _upload(path, size, f"{base}/api/submissions", token, progress)
-    return _wait(base, sub, progress, timeout, poll)
+    sub = _upload(path, size, f"{base}/api/submissions", token, progress, base)
+    log(f"uploaded {_size(size)}: accepted as #{sub['id']}")
+    entry = _wait(base, sub, log, timeout, poll, patience)
+    if entry.get('status') == 'measured':
+        try: entry['place'] = place_of(entry, _get_json(f"{base}/api/leaderboard"))
+        except (urllib.error.URLError, OSError, ValueError, KeyError): pass     # the ranks of the submission still say it
+    return entry
+
+def my_submissions(url, token) -> dict:
+    "The participant's own submissions from the server at `url` (`GET /api/me` with `token`): every status and score."
+    if not token: raise TinycompError("no token: pass the token your instructor gave you (--token)")
+    base = server_base(url)
+    try: return _get_json(f"{base}/api/me", token=token)
+    except urllib.error.HTTPError as e:
+        if e.code == 404 and _server_info(base):
+            raise TinycompError(f"the server at {base} does not list a participant's submissions (an older tinycomp); "
+                                "see the page instead") from None
+        raise TinycompError(f"the server refused (HTTP {e.code}): {_reason(e)}") from None
+    except (urllib.error.URLError, OSError) as e: raise unreachable(base, e) from None

@@ -31,9 +31,12 @@ RULES = (f"Closed track: accuracy ≥ baseline − {GATE_POINTS:g} point (a larg
          "overlap are tied, and an entry's place is 1 + the number of entries whose interval lies wholly above its own. "
          "Open track: entries above the accuracy floor, ranked by Pareto rank over (accuracy ↑, latency at batch 1 "
          "relative to the baseline ↓, file bytes ↓); equal Pareto ranks are ordered by accuracy, then submission time. "
-         "Each participant's best entry per track stands for them. A model you already submitted (the same arrays and "
-         "layers, whatever the file's metadata) is refused; a classmate's identical model is measured as their own "
-         f"entry. Not ranked: failed compliance checks, speedup > {MAX_SPEEDUP:g}× or compression > "
+         "Each participant's best entry per track stands for them; at the close, those entries are measured again "
+         "(accuracy on the private part, latency interleaved with the baseline in a new job) and the final ranking uses "
+         "that measurement (a final job that fails keeps the one made at submission). A model you already submitted "
+         "(the same layers and weights, whatever the file's name or metadata) is refused, and you are told which of your "
+         "entries it is; a classmate's identical model is measured and ranked as their own entry; the baseline itself is "
+         f"refused however it is saved. Not ranked: failed compliance checks, speedup > {MAX_SPEEDUP:g}× or compression > "
          f"{MAX_COMPRESSION:g}× (under investigation).")
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #f078771a

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #12d451bf
 from __future__ import annotations
-import contextlib, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
+import contextlib, csv, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +15,10 @@ from ..models import pretrained_path
 from .validation import SubmissionRejected, validate_model_bytes
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store']
+__all__ = ['SCHEMA_VERSION', 'MIGRATIONS', 'DEFAULT_SETTINGS', 'SHIPPED_TASKS', 'Store', 'open_store', 'read_class_list']
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #4cc69e10
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 4
 
 MIGRATIONS = [
     # 1: the tables
@@ -39,6 +39,38 @@ MIGRATIONS = [
         seconds REAL NOT NULL, raw TEXT NOT NULL, scores TEXT NOT NULL)""",
     # 2: rate limits and histories look submissions up by participant and time
     "CREATE INDEX submissions_by_participant ON submissions (participant_id, created)",
+    # 3: closing measures each participant's counted entries again; `closing` numbers the closes (a reopen starts anew).
+    # submission_id names a submission without a foreign key, so that the next migration can rebuild that table
+    """CREATE TABLE final_measurements (closing INTEGER NOT NULL, submission_id INTEGER NOT NULL,
+        queued REAL NOT NULL, status TEXT NOT NULL CHECK (status IN ('queued', 'measuring', 'measured', 'failed')),
+        attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, started REAL, finished REAL, seconds REAL, raw TEXT,
+        PRIMARY KEY (closing, submission_id))""",
+    # 4: a duplicate is the same model (model_sha256, see `model_fingerprint`), not the same bytes: submissions.sha256
+    # is no longer UNIQUE (SQLite drops a constraint by rebuilding the table; the measurements that reference it are
+    # set aside meanwhile); and the instructor's removals and restorations keep their reasons
+    """CREATE TEMP TABLE measurements_kept AS SELECT * FROM measurements;
+    DELETE FROM measurements;
+    CREATE TABLE submissions_new (id INTEGER PRIMARY KEY, participant_id INTEGER NOT NULL REFERENCES participants(id),
+        task_id INTEGER NOT NULL REFERENCES tasks(id), sha256 TEXT NOT NULL REFERENCES files(sha256),
+        created REAL NOT NULL, status TEXT NOT NULL
+            CHECK (status IN ('queued', 'measuring', 'measured', 'failed', 'removed')),
+        attempts INTEGER NOT NULL DEFAULT 0, reason TEXT, file_bytes INTEGER NOT NULL, unpacked_bytes INTEGER NOT NULL,
+        params INTEGER NOT NULL, flops INTEGER NOT NULL, kind TEXT NOT NULL, started REAL, finished REAL,
+        model_sha256 TEXT);
+    INSERT INTO submissions_new (id, participant_id, task_id, sha256, created, status, attempts, reason, file_bytes,
+        unpacked_bytes, params, flops, kind, started, finished)
+        SELECT id, participant_id, task_id, sha256, created, status, attempts, reason, file_bytes, unpacked_bytes,
+        params, flops, kind, started, finished FROM submissions;
+    DROP TABLE submissions;
+    ALTER TABLE submissions_new RENAME TO submissions;
+    CREATE INDEX submissions_by_participant ON submissions (participant_id, created);
+    CREATE INDEX submissions_by_model ON submissions (model_sha256);
+    INSERT INTO measurements SELECT * FROM measurements_kept;
+    DROP TABLE measurements_kept;
+    CREATE TABLE instructor_actions (id INTEGER PRIMARY KEY,
+        submission_id INTEGER NOT NULL REFERENCES submissions(id),
+        action TEXT NOT NULL CHECK (action IN ('remove', 'restore')), reason TEXT NOT NULL, created REAL NOT NULL);
+    CREATE INDEX instructor_actions_by_submission ON instructor_actions (submission_id)""",
 ]
 
 def _schema_version(c) -> int:
@@ -78,6 +110,11 @@ def _iso(t) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')
 
 def _sha256(data) -> str: return hashlib.sha256(data).hexdigest()
+
+def _new_token() -> str:
+    "32 random bytes, URL-safe; never starting with '-', which a command line would take for an option."
+    while (token := secrets.token_urlsafe(32)).startswith('-'): pass
+    return token
 
 def _check_name(name) -> str:
     if not isinstance(name, str) or not name.strip():
@@ -156,23 +193,37 @@ DEFAULT_SETTINGS = dict(
     batch_sizes=[1, 64],
     deployed=False,                 # time both models frozen for deployment (module 08's `freeze`): deployment latency
     max_attempts=3,                 # a job that kills its worker this often is marked failed
-    isolate=True)                   # measure in a child process (hard time budget); False: in the worker itself
+    isolate=True,                   # measure in a child process (hard time budget); False: in the worker itself
+    calibration_jobs=6,             # jobs of the calibration that measures the noise between jobs (0: none)
+    open_min_accuracy=0.0,          # the open track's accuracy floor: 0, the closed track's gate; else a fraction in (0, 1]
+    opens=None, closes=None)        # when submissions open and when the competition closes itself (UTC seconds; None: no date)
 
 def _check_settings(kw) -> dict:
     unknown = sorted(set(kw) - set(DEFAULT_SETTINGS))
     if unknown: raise TinycompError(f"unknown leaderboard settings {unknown}; known: {sorted(DEFAULT_SETTINGS)}")
     for k, v in kw.items():
         d = DEFAULT_SETTINGS[k]
-        if isinstance(d, bool):
+        if k in ('opens', 'closes'):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise TinycompError(f"setting {k} must be a time in seconds since 1970 (UTC) or None, got {v!r}; "
+                                    "`schedule` reads dates like '2026-12-01 18:00'")
+        elif k == 'open_min_accuracy':
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise TinycompError("setting open_min_accuracy must be 0 (the open track's floor is then the closed "
+                                    f"track's gate) or a fraction of correct answers in (0, 1] like 0.9, got {v!r}")
+        elif isinstance(d, bool):
             if not isinstance(v, bool): raise TinycompError(f"setting {k} must be true or false, got {v!r}")
         elif k == 'batch_sizes':
             if (not isinstance(v, (list, tuple)) or not v or
                     any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in v)):
                 raise TinycompError(f"setting batch_sizes must be a list of whole numbers >= 1, got {v!r}")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
-                (isinstance(d, int) and int(v) != v) or (k in ('rounds',) and v < 2) or (k in ('calls', 'max_attempts') and v < 1):
-            raise TinycompError(f"setting {k} must be a number >= 0 like {d!r} (rounds >= 2, calls >= 1), got {v!r}")
-    return {k: (list(v) if k == 'batch_sizes' else v) for k, v in kw.items()}
+                (isinstance(d, int) and int(v) != v) or (k in ('rounds',) and v < 2) or (k == 'calibration_jobs' and v == 1) or (k in ('calls', 'max_attempts') and v < 1):
+            raise TinycompError(f"setting {k} must be a number >= 0 like {d!r} (rounds >= 2, calls >= 1, calibration_jobs 0 or >= 2), got {v!r}")
+    return {k: (list(v) if k == 'batch_sizes' else float(v) if k in _FLOAT_SETTINGS and v is not None else v)
+            for k, v in kw.items()}
+
+_FLOAT_SETTINGS = ('open_min_accuracy', 'opens', 'closes')
 
 def _settings(self) -> dict:
     "The store's settings: `DEFAULT_SETTINGS` updated with what `configure` stored."
@@ -185,6 +236,10 @@ def _configure(self, **kw) -> dict:
     with self.tx() as c:
         row = c.execute("SELECT value FROM meta WHERE key = 'settings'").fetchone()
         new = {**(json.loads(row[0]) if row else {}), **kw}
+        opens, closes = new.get('opens'), new.get('closes')
+        if opens is not None and closes is not None and closes <= opens:
+            raise TinycompError(f"the competition would close ({_iso(closes)}) before it opens ({_iso(opens)}); "
+                                "give a close date after the opening")
         c.execute("INSERT OR REPLACE INTO meta VALUES ('settings', ?)", (json.dumps(new),))
     return self.settings
 
@@ -192,9 +247,15 @@ def _meta(self, key, default=None):
     row = self._conn().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
     return row[0] if row else default
 
+def _calibration(self) -> dict | None:
+    "The store's last calibration of the noise between jobs (`worker.calibrate`), or None before the first."
+    row = self._meta('calibration')
+    return json.loads(row) if row else None
+
 Store.settings = property(_settings)
+Store.calibration = property(_calibration)
+Store.job_noise = property(lambda self: float(self.calibration['job_noise']) if self.calibration else 0.0)
 Store.configure, Store._meta = _configure, _meta
-Store.closed = property(lambda self: self._meta('closed') == '1')
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #533979b3
 def _private_mask(labels, seed=0) -> np.ndarray:
@@ -279,13 +340,14 @@ def _task(self) -> dict:
 def _issue_token(self, name) -> str:
     "Register participant `name` (a display name) and return their token; only its sha256 is stored, so keep it."
     name = _check_name(name)
-    token = secrets.token_urlsafe(32)
+    token = _new_token()
     try:
         with self.tx() as c:
             c.execute("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
                       (name, _sha256(token.encode()), _now()))
     except sqlite3.IntegrityError:
-        raise TinycompError(f"a participant named {name!r} already exists; choose another display name") from None
+        raise TinycompError(f"a participant named {name!r} already exists; choose another display name, or give them a "
+                            "new token with `tinycomp leaderboard token NAME --new` (their old one stops working)") from None
     return token
 
 def _participant(self, token) -> dict | None:
@@ -295,3 +357,123 @@ def _participant(self, token) -> dict | None:
     return rows[0] if rows else None
 
 Store.init, Store.task, Store.issue_token, Store.participant = _init, _task, _issue_token, _participant
+
+# %% ../../nbs/97d_leaderboard_store.ipynb #4671451c
+def _duration(seconds) -> str:
+    m = max(1, math.ceil(seconds / 60))
+    return f"{m // 60} h {m % 60} min" if m >= 60 else f"{m} min"
+
+def _parse_when(value, what='the date') -> float | None:
+    "UTC seconds of `value`: text like '2026-12-01 18:00' (UTC) or ISO 8601 with an offset, a datetime, or 'none' (None)."
+    if isinstance(value, str) and value.strip().lower() == 'none': return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool): return float(value)
+    if isinstance(value, datetime.datetime): when = value
+    else:
+        try: when = datetime.datetime.fromisoformat(value.strip())
+        except (AttributeError, TypeError, ValueError):
+            raise TinycompError(f"{what} {value!r} is not a date and time: write it like '2026-12-01 18:00' (UTC) or "
+                                "'2026-12-01T18:00+01:00', or 'none' for no date") from None
+    if when.tzinfo is None: when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+def _phase(self, now=None) -> str:
+    "'not open yet', 'open' or 'closed' at `now` (default: the clock): closed by the instructor or by the close date."
+    now = _now() if now is None else float(now)
+    s = self.settings
+    if self._meta('closed') == '1' or (s['closes'] is not None and now >= s['closes']): return 'closed'
+    if s['opens'] is not None and now < s['opens']: return 'not open yet'
+    return 'open'
+
+def _dates(self, now=None) -> dict:
+    "The phase and the dates as text: {'phase', 'opens', 'closes'} (a date is None when not set)."
+    s = self.settings
+    return dict(phase=self.phase(now), **{k: None if s[k] is None else _iso(s[k]) for k in ('opens', 'closes')})
+
+def _check_open(self, now=None) -> None:
+    "Raise `SubmissionRejected(423, reason)` unless submissions are accepted at `now`."
+    now = _now() if now is None else float(now)
+    phase = self.phase(now)
+    if phase == 'closed': raise SubmissionRejected(423, "the competition is closed; no more submissions")
+    if phase == 'not open yet':
+        opens = self.settings['opens']
+        raise SubmissionRejected(423, f"the competition opens at {_iso(opens)} (in {_duration(opens - now)}); "
+                                      "submit then")
+
+def _schedule(self, opens=None, closes=None, now=None) -> dict:
+    """Set when the competition opens and when it closes itself (`None` keeps a date, 'none' removes it; see
+    `_parse_when` for the formats). Refused once closed (reopen it instead) and for a close date already past."""
+    now = _now() if now is None else float(now)
+    if self.phase(now) == 'closed':
+        raise TinycompError("the competition is closed; to open it again with a new close date, run "
+                            f"`tinycomp leaderboard reopen --db {self.path} --closes DATE`")
+    new = {k: _parse_when(v, f"--{k}") for k, v in (('opens', opens), ('closes', closes)) if v is not None}
+    if new.get('closes') is not None and new['closes'] <= now:
+        raise TinycompError(f"the close date {_iso(new['closes'])} has passed; to close now, run "
+                            f"`tinycomp leaderboard close --db {self.path}`")
+    if new: self.configure(**new)
+    return self.dates(now)
+
+Store.phase, Store.dates, Store.check_open, Store.schedule = _phase, _dates, _check_open, _schedule
+Store.closed = property(lambda self: self.phase() == 'closed')
+
+# %% ../../nbs/97d_leaderboard_store.ipynb #8de8c69e
+def _reissue_token(self, name) -> str:
+    "A new token for the registered participant `name`; their old token stops working at once. Returns the new one."
+    token = _new_token()
+    with self.tx() as c:
+        changed = c.execute("UPDATE participants SET token_sha256 = ? WHERE name = ?",
+                            (_sha256(token.encode()), _check_name(name))).rowcount
+    if not changed:
+        raise TinycompError(f"no participant named {name!r}; register them with `tinycomp leaderboard token NAME` "
+                            "(without --new)")
+    return token
+
+def read_class_list(path) -> list:
+    """The display names of a class list: a CSV file whose first line names its columns, one of them `name` (others,
+    such as an email, are ignored). Raises `TinycompError` listing every problem: a missing column, empty, invalid or
+    repeated names."""
+    path = Path(path)
+    if not path.is_file(): raise TinycompError(f"no class list at {path}")
+    try: text = path.read_text(encoding='utf-8-sig')
+    except UnicodeDecodeError: raise TinycompError(f"{path} is not UTF-8 text; save the class list as CSV (UTF-8)") from None
+    rows = csv.DictReader(io.StringIO(text))
+    columns = [c.strip().lower() for c in rows.fieldnames or []]
+    if 'name' not in columns:
+        raise TinycompError(f"{path} has no 'name' column (its first line names the columns: "
+                            f"{', '.join(map(repr, columns)) or 'none, the file is empty'}); add a first line such as 'name'")
+    rows.fieldnames = columns
+    names, problems, seen = [], [], {}
+    for row in rows:
+        raw = row.get('name') or ''
+        try: name = _check_name(raw)
+        except TinycompError as e:
+            problems.append(f"line {rows.line_num}: " + ("empty name" if not raw.strip() else str(e))); continue
+        key = name.casefold()
+        if key in seen: problems.append(f"line {rows.line_num}: {name!r} is already on line {seen[key]}"); continue
+        seen[key] = rows.line_num
+        names.append(name)
+    if not names and not problems: problems.append("no names (only the first line)")
+    if problems: raise TinycompError(f"{path}: " + '; '.join(problems) + "; nothing was registered")
+    return names
+
+def _issue_tokens(self, names) -> dict:
+    """Register every display name in `names` (as `issue_token`) in one transaction: {name: token}. If any name is
+    invalid, repeated or already registered, nobody is registered and the `TinycompError` lists them all."""
+    names = [_check_name(n) for n in names]
+    taken = {r['name'].casefold(): r['name'] for r in self.query("SELECT name FROM participants")}
+    clash = [n for n in names if n.casefold() in taken]
+    repeated = sorted({n for n in names if [m.casefold() for m in names].count(n.casefold()) > 1})
+    if repeated: raise TinycompError(f"the names to register repeat {', '.join(map(repr, repeated))}; nothing was registered")
+    if clash:
+        raise TinycompError(f"already registered: {', '.join(map(repr, clash))} (their tokens are unchanged; "
+                            "`tinycomp leaderboard token NAME --new` replaces one); nothing was registered")
+    tokens = {n: _new_token() for n in names}
+    try:
+        with self.tx() as c:
+            c.executemany("INSERT INTO participants (name, token_sha256, created) VALUES (?, ?, ?)",
+                          [(n, _sha256(t.encode()), _now()) for n, t in tokens.items()])
+    except sqlite3.IntegrityError:                      # registered by someone else meanwhile
+        raise TinycompError("a name was registered meanwhile; nothing was registered, try again") from None
+    return tokens
+
+Store.reissue_token, Store.issue_tokens = _reissue_token, _issue_tokens

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import TinycompError
 from ..files import atomic_write
 from .scoring import OPEN_OBJECTIVES, RULES, SCORE_FORMULA, entry_metrics, rank_entries
-from .validation import SubmissionRejected, validate_model_bytes
+from .validation import SubmissionRejected, model_file_fingerprint, validate_model_bytes
 from .store import SCHEMA_VERSION, Store, _iso, _now, _sha256
 
 # %% auto #0
@@ -23,12 +23,24 @@ def _in(seconds) -> str:
     m = max(1, math.ceil(seconds / 60))
     return f"{m // 60} h {m % 60} min" if m >= 60 else f"{m} min"
 
-def _check_new(c, sha, task):
-    if sha == task['baseline_sha256']:
-        raise SubmissionRejected(409, "this is the task's baseline model file itself; compress it before submitting")
-    row = c.execute("SELECT id FROM submissions WHERE sha256 = ?", (sha,)).fetchone()
-    if row: raise SubmissionRejected(409, f"this exact file was already submitted as entry #{row[0]}; "
-                                          "duplicates are not measured again")
+_BASELINE_REFUSED = ("this is the task's baseline model itself (the same layers and weights); compress it before "
+                     "submitting")
+
+def _own_entry(c, pid, column, value):
+    "The participant's earlier entry holding this file or model (`column` sha256 or model_sha256); failed ones do not count."
+    return c.execute(f"SELECT id, created, status FROM submissions WHERE participant_id = ? AND {column} = ? "
+                     "AND status != 'failed' ORDER BY id LIMIT 1", (pid, value)).fetchone()
+
+def _check_new(c, pid, task, sha, model_sha=None):
+    """Refuse the baseline and a participant's own duplicate: the same file (`sha`, checked before validation) or the
+    same model (`model_sha`, the fingerprint). A classmate's identical model is a new entry and is never named."""
+    if sha == task['baseline_sha256'] or model_sha == task['baseline_model_sha256']:
+        raise SubmissionRejected(409, _BASELINE_REFUSED)
+    row = _own_entry(c, pid, 'sha256', sha) or (model_sha and _own_entry(c, pid, 'model_sha256', model_sha))
+    if row:
+        raise SubmissionRejected(409, f"you already submitted this model as your entry #{row['id']} "
+                                      f"({_iso(row['created'])}, {row['status']}); re-submitting the same model is not "
+                                      "measured again (saving it with other metadata does not make it another model)")
 
 def _check_rate(c, pid, now, rate):
     if not rate: return
@@ -39,35 +51,52 @@ def _check_rate(c, pid, now, rate):
         raise SubmissionRejected(429, f"rate limit: at most {int(rate)} submissions in 24 hours; your next submission "
                                       f"is allowed at {_iso(nxt)} (in {_in(nxt - now)})")
 
+def _fingerprinted_task(self) -> dict:
+    "The task, with its baseline's fingerprint (computed once per store object)."
+    task = self.task()
+    if 'baseline_model_sha256' not in task:
+        task['baseline_model_sha256'] = model_file_fingerprint(task['baseline'], int(self.settings['max_unpacked_bytes']))
+    return task
+
+def _fill_fingerprints(self, pid):
+    "Fingerprint the participant's entries stored before fingerprints were kept (by an older tinycomp)."
+    rows = self.query("SELECT s.id, f.data FROM submissions s JOIN files f ON f.sha256 = s.sha256 "
+                      "WHERE s.participant_id = ? AND s.model_sha256 IS NULL AND s.status != 'failed'", (pid,))
+    for r in rows:
+        try: fp = model_file_fingerprint(r['data'], int(self.settings['max_unpacked_bytes']))
+        except TinycompError: continue                    # a file this tinycomp cannot load is no one's duplicate
+        with self.tx() as c: c.execute("UPDATE submissions SET model_sha256 = ? WHERE id = ?", (fp, r['id']))
+
 def _accept(self, token, data, now=None) -> dict:
     """Accept the model file `data` (bytes) from the holder of `token`: check, store by sha256 and queue it.
     Returns the submission (see `submission`); raises `SubmissionRejected(status, reason)` and writes nothing."""
-    now = _now() if now is None else float(now)
+    given, now = now, (_now() if now is None else float(now))
     who = self.participant(token)
     if who is None:
         raise SubmissionRejected(401, "missing or unknown token: ask your instructor for yours "
                                       "(`tinycomp leaderboard token NAME`)")
-    if self.closed: raise SubmissionRejected(423, "the competition is closed; no more submissions")
+    self.check_open(given)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TinycompError(f"accept: data must be the model file's bytes, got {type(data).__name__}")
     data = bytes(data)
-    s, task = self.settings, self.task()
+    s, task = self.settings, _fingerprinted_task(self)
     if len(data) > s['max_file_bytes']:
         raise SubmissionRejected(413, f"the file is {len(data):,} bytes, more than the limit of {int(s['max_file_bytes']):,}")
     sha = _sha256(data)
     c = self._conn()
-    _check_new(c, sha, task)
+    _check_new(c, who['id'], task, sha)                   # the same file: refused before the model is even loaded
     _check_rate(c, who['id'], now, s['rate_per_day'])
     info = validate_model_bytes(data, task['inputs'], int(task['labels'].max()) + 1, s)
+    _fill_fingerprints(self, who['id'])
     with self.tx() as c:
-        _check_new(c, sha, task)
+        _check_new(c, who['id'], task, sha, info['model_sha256'])
         _check_rate(c, who['id'], now, s['rate_per_day'])
-        if self._meta('closed') == '1': raise SubmissionRejected(423, "the competition is closed; no more submissions")
+        self.check_open(given)
         c.execute("INSERT OR IGNORE INTO files VALUES (?, ?, ?)", (sha, len(data), data))
         sid = c.execute("INSERT INTO submissions (participant_id, task_id, sha256, created, status, file_bytes, "
-                        "unpacked_bytes, params, flops, kind) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+                        "unpacked_bytes, params, flops, kind, model_sha256) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
                         (who['id'], task['id'], sha, now, len(data), info['unpacked_bytes'], info['params'],
-                         info['flops'], info['kind'])).lastrowid
+                         info['flops'], info['kind'], info['model_sha256'])).lastrowid
     return self.submission(sid)
 
 Store.accept = _accept
@@ -79,41 +108,80 @@ def _subset(self, private):
     return (t['private'] if private else ~t['private']), private
 
 def _entries(self, private=None) -> list:
-    "Every measured entry (removed and failed ones excluded) with its metrics on the public or private part."
-    mask, _ = self._subset(private)
-    labels = self.task()['labels']
+    """Every measured entry (removed and failed ones excluded) with its metrics on the public or private part. Once
+    closed, on the private part: `counted` says whether it is one of its participant's counted entries, `final` how its
+    final measurement stands ('pending', 'measured': the metrics are the final job's, 'failed': see `final_note`)."""
+    mask, private = self._subset(private)
+    finals = self._finals() if private else None
+    labels, noise = self.task()['labels'], self.job_noise
     rows = self.query("SELECT s.id, s.participant_id, p.name, s.created, s.kind, s.params, s.flops, m.raw "
                       "FROM submissions s JOIN participants p ON p.id = s.participant_id "
                       "JOIN measurements m ON m.submission_id = s.id WHERE s.status = 'measured' ORDER BY s.id")
     out = []
     for r in rows:
-        raw = json.loads(r.pop('raw'))
-        out.append(dict(r, **{k: v for k, v in entry_metrics(raw, labels, mask).items() if k != 'params'}))
+        raw, f = r.pop('raw'), (finals or {}).get(r['id'])
+        r.update(counted=None if finals is None else f is not None, final=f and f['status'], final_note=None)
+        if f and f['status'] == 'measured': raw = f['raw']
+        elif f and f['status'] == 'failed':
+            r['final_note'] = f"the final measurement failed ({f['reason']}); ranked with its measurement at submission"
+        elif f: r['final'] = 'pending'
+        out.append(dict(r, **{k: v for k, v in entry_metrics(json.loads(raw), labels, mask, noise).items() if k != 'params'}))
     return out
 
 def _public_row(e) -> dict:
     "An entry as JSON-friendly output (no raw samples)."
-    keys = ('id', 'rank', 'pareto_rank', 'on_front', 'participant_id', 'name', 'created', 'kind', 'params', 'flops',
-            'accuracy', 'accuracy_ci', 'n', 'baseline_accuracy', 'dacc_points', 'p_value', 'gate', 'latency_ms',
-            'speedup_at', 'speedup', 'file_bytes', 'compression', 'score', 'bits_per_param', 'flags')
+    keys = ('id', 'rank', 'band', 'tied', 'pareto_rank', 'on_front', 'why', 'participant_id', 'name', 'created', 'kind',
+            'params', 'flops', 'accuracy', 'accuracy_ci', 'n', 'baseline_accuracy', 'dacc_points', 'p_value', 'gate',
+            'latency_ms', 'speedup_at', 'speedup', 'speedup_ci', 'rel_latency', 'file_bytes', 'compression', 'score',
+            'score_ci', 'bits_per_param', 'flags', 'counted', 'final', 'final_note')
     row = {k: e[k] for k in keys if k in e}
     for k in ('latency_ms', 'speedup_at'):
         if k in row: row[k] = {str(b): v for b, v in row[k].items()}
     row['date'] = _iso(e['created'])
     return row
 
+def _measurement_info(store) -> dict | None:
+    "How the newest job measured (harness settings and machine, from its raw result), or None before the first one."
+    rows = store.query("SELECT raw FROM (SELECT created AS t, raw FROM measurements UNION ALL SELECT finished, raw FROM "
+                      "final_measurements WHERE status = 'measured') ORDER BY t DESC LIMIT 1")
+    if not rows: return None
+    sub = json.loads(rows[0]['raw'])['results']['submission']
+    env, st = sub.get('environment', {}), sub.get('settings', {})     # made-up measurements have neither
+    return dict(rounds=st.get('rounds'), calls=st.get('calls'), batch_sizes=st.get('batch_sizes'),
+                threads=env.get('threads', {}).get('numba'), deployed=st.get('deployed'), cpu=env.get('cpu'),
+                cores=env.get('usable_cores'))
+
+def _not_counted(entries) -> dict:
+    "{id: line} for the entries a final ranking leaves out: not among their participant's counted entries."
+    counted = {}
+    for e in entries:
+        if e['counted']: counted.setdefault(e['participant_id'], []).append(f"#{e['id']}")
+    def line(mine):
+        return ("not counted: the final ranking measures again and ranks each participant's best entries of the public "
+                "ranking at the close " + (f"(yours: {', '.join(mine)})" if mine else "(none of yours was ranked then)"))
+    return {e['id']: line(counted.get(e['participant_id'])) for e in entries if e['counted'] is False}
+
 def _leaderboard(self, private=None) -> dict:
-    """The ranked tracks: {'task', 'closed', 'private', 'formula', 'rules', 'tracks': {'closed': rows, 'open': rows},
-    'unranked': rows, 'baseline': {...}, 'deployed': whether latencies are of the models frozen for deployment}. `private=None`: public scores while open, private once closed."""
+    """The ranked tracks: {'task', 'phase', 'opens', 'closes', 'closed', 'private', 'formula', 'rules', 'tracks':
+    {'closed': rows, 'open': rows}, 'unranked': rows, 'standing': {id: why an entry is not ranked}, 'baseline': its
+    row, 'measurement': how jobs are measured, 'open_floor', 'final': the final measurement's progress once closed,
+    'deployed': whether latencies are of the models frozen for deployment}. `private=None`: public scores while open,
+    private once closed; then only the counted entries are ranked, each with its final measurement once it has one."""
+    self._choose_finals()                    # a close by date is noticed here too: the final jobs are queued
     mask, private = self._subset(private)
-    entries = self.entries(private)
-    ranked = rank_entries(entries)
-    t = self.task()
-    return dict(task=t['name'], closed=self.closed, private=private, split='private' if private else 'public',
+    entries, s, t = self.entries(private), self.settings, self.task()
+    split = 'private' if private else 'public'
+    left_out = _not_counted(entries)
+    pool = [e for e in entries if e['id'] not in left_out or e['flags']]
+    ranked = rank_entries(pool, open_min_accuracy=s['open_min_accuracy'] or None)
+    standing = {str(k): v for k, v in {**left_out, **ranked['standing']}.items()}
+    return dict(task=t['name'], **self.dates(), closed=self.closed, private=private, split=split,
                 samples=int(mask.sum()), formula=SCORE_FORMULA, rules=RULES, objectives=list(OPEN_OBJECTIVES),
-                baseline=dict(name=t['baseline_name']), deployed=bool(self.settings['deployed']),
+                baseline=_jsonable(baseline_row(pool, t['baseline_name'])), deployed=bool(s['deployed']),
+                measurement=_measurement_info(self), open_floor=open_floor(s['open_min_accuracy'] or None),
+                final=self.final_status(),
                 tracks={k: [_public_row(e) for e in ranked[k]] for k in ('closed', 'open')},
-                unranked=[_public_row(e) for e in ranked['unranked']])
+                unranked=[_public_row(e) for e in ranked['unranked']], standing=standing)
 
 def _submission(self, sid, private=None) -> dict:
     "One submission: status (queued|measuring|measured|failed|removed), reason, sizes, and when measured its metrics and ranks."
@@ -121,78 +189,224 @@ def _submission(self, sid, private=None) -> dict:
                       "s.unpacked_bytes, s.params, s.flops, s.kind, s.sha256, s.started, s.finished FROM submissions s "
                       "JOIN participants p ON p.id = s.participant_id WHERE s.id = ?", (int(sid),))
     if not rows: raise TinycompError(f"no submission #{sid}")
-    out = dict(rows[0], date=_iso(rows[0]['created']))
+    out = dict(rows[0], date=_iso(rows[0]['created']), actions=self.instructor_actions(sid))
     if out['status'] == 'measured':
         lb = self.leaderboard(private)
         mine = [e for e in self.entries(private) if e['id'] == out['id']]
         if mine:
             out['scores'] = {k: v for k, v in _public_row(mine[0]).items() if k not in ('id', 'participant_id', 'name', 'created', 'date')}
-        out['split'], out['deployed'] = lb['split'], lb['deployed']
+        out['split'], out['deployed'], out['phase'] = lb['split'], lb['deployed'], lb['phase']
+        out['standing'] = lb['standing'].get(str(out['id']))
         out['rank'] = {k: next((r['rank'] for r in lb['tracks'][k] if r['id'] == out['id']), None) for k in ('closed', 'open')}
     return out
 
 def _history(self, private=None) -> dict:
-    "{participant name: every submission of theirs, oldest first, with metrics when measured}."
-    metrics = {e['id']: e for e in self.entries(private)}
+    "{participant name: every submission of theirs, oldest first, with metrics when measured and the instructor's actions}."
+    metrics, actions = {e['id']: e for e in self.entries(private)}, _actions_by_submission(self)
     out = {p['name']: [] for p in self.query("SELECT name FROM participants ORDER BY id")}
     for s in self.query("SELECT s.id, p.name, s.created, s.status, s.reason, s.file_bytes, s.kind FROM submissions s "
                         "JOIN participants p ON p.id = s.participant_id ORDER BY s.id"):
-        row = dict(s, date=_iso(s['created']))
+        row = dict(s, date=_iso(s['created']), actions=actions.get(s['id'], []))
         if s['id'] in metrics: row.update({k: v for k, v in _public_row(metrics[s['id']]).items() if k not in row})
         out[s['name']].append(row)
     return out
 
-def _close(self) -> None:
-    "Close the competition: no more submissions; tables, ranks and the page use the private part from now on."
-    with self.tx() as c:
-        c.execute("INSERT OR REPLACE INTO meta VALUES ('closed', '1')")
-        c.execute("INSERT OR REPLACE INTO meta VALUES ('closed_at', ?)", (str(_now()),))
+def _close(self, now=None) -> dict:
+    """Close the competition (again: nothing changes): no more submissions; each participant's counted entries are
+    queued for their final measurement; tables, ranks and the page use the private part. Returns `final_status()`."""
+    now = _now() if now is None else float(now)
+    if self._closing() is None:
+        with self.tx() as c:
+            if self._meta('closed') != '1': _record_close(c, now)
+    self._choose_finals()
+    return self.final_status()
+
+def _reason(reason, doing) -> str:
+    if not isinstance(reason, str) or not reason.strip(): raise TinycompError(f"give a reason for {doing} an entry")
+    return ' '.join(reason.split())
 
 def _remove(self, sid, reason) -> dict:
-    "Remove (disqualify) submission `sid` with a `reason` shown in the participant's history; it is never ranked again."
-    if not isinstance(reason, str) or not reason.strip(): raise TinycompError("give a reason for removing an entry")
+    """Remove (disqualify) submission `sid` with a `reason` shown in the participant's history; it is not ranked
+    again unless `restore`d. Every removal and restoration is kept with its reason (`instructor_actions`)."""
+    reason = _reason(reason, 'removing')
     with self.tx() as c:
-        if not c.execute("SELECT 1 FROM submissions WHERE id = ?", (int(sid),)).fetchone():
-            raise TinycompError(f"no submission #{sid}")
+        row = c.execute("SELECT status, reason FROM submissions WHERE id = ?", (int(sid),)).fetchone()
+        if not row: raise TinycompError(f"no submission #{sid}")
+        if row['status'] == 'removed':
+            raise TinycompError(f"submission #{sid} is already removed ({row['reason']}); to give another reason, "
+                                f"restore it (`tinycomp leaderboard restore {int(sid)} --reason ...`) and remove it again")
         c.execute("UPDATE submissions SET status = 'removed', reason = ? WHERE id = ?",
-                  (f"removed by the instructor: {' '.join(reason.split())}", int(sid)))
+                  (f"removed by the instructor: {reason}", int(sid)))
+        c.execute("INSERT INTO instructor_actions (submission_id, action, reason, created) VALUES (?, 'remove', ?, ?)",
+                  (int(sid), reason, _now()))
     return self.submission(sid)
 
 Store._subset, Store.entries, Store.leaderboard, Store.submission, Store.history = _subset, _entries, _leaderboard, _submission, _history
 Store.close, Store.remove = _close, _remove
 
+# %% ../../nbs/97e_leaderboard_submissions.ipynb #bd92870a
+from .scoring import baseline_row, open_floor
+from .store import _parse_when
+
+def _record_close(c, when):
+    n = int((c.execute("SELECT value FROM meta WHERE key = 'closing'").fetchone() or ['0'])[0]) + 1
+    c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                  [('closed', '1'), ('closed_at', str(when)), ('closing', str(n))])
+
+def _closing(self) -> int | None:
+    """The number of the current close (1, then 2 after a reopen and another close), or None while not closed. A
+    close by date is recorded the first time this is asked after the date."""
+    if not self.closed: return None
+    if self._meta('closed') != '1':
+        with self.tx() as c:
+            if self._meta('closed') != '1': _record_close(c, self.settings['closes'])
+    return int(self._meta('closing', '0'))
+
+def _choose_finals(self) -> bool:
+    """Once closed and no submission waits to be measured, queue each participant's counted entries (the ones ranked
+    in the public ranking) for their final measurement, once per close. True when they are chosen."""
+    n = self._closing()
+    if n is None: return False
+    if self._meta('finals_of') == str(n): return True
+    if self.query("SELECT 1 FROM submissions WHERE status IN ('queued', 'measuring') LIMIT 1"): return False
+    ranked = rank_entries(self.entries(False), open_min_accuracy=self.settings['open_min_accuracy'] or None)
+    counted = sorted({e['id'] for k in ('closed', 'open') for e in ranked[k]})
+    with self.tx() as c:
+        if self._meta('finals_of') != str(n):
+            c.executemany("INSERT OR IGNORE INTO final_measurements (closing, submission_id, queued, status) "
+                          "VALUES (?, ?, ?, 'queued')", [(n, sid, _now()) for sid in counted])
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('finals_of', ?)", (str(n),))
+    return True
+
+def _finals(self) -> dict | None:
+    "{submission id: its final measurement row} of the current close, or None while open or not chosen yet."
+    n = self._closing()
+    if n is None or self._meta('finals_of') != str(n): return None
+    return {r['submission_id']: r for r in self.query(
+        "SELECT submission_id, status, reason, raw FROM final_measurements WHERE closing = ?", (n,))}
+
+def _final_status(self) -> dict | None:
+    """The final measurement's progress once closed (None while open): {'closed_at', 'chosen': counted entries queued,
+    'waiting': submissions to measure before that, 'pending', 'done', 'failed': [{id, name, reason}], 'in_progress'}."""
+    n = self._closing()
+    if n is None: return None
+    rows = self.query("SELECT f.submission_id AS id, p.name, f.status, f.reason FROM final_measurements f JOIN "
+                      "submissions s ON s.id = f.submission_id JOIN participants p ON p.id = s.participant_id "
+                      "WHERE f.closing = ? AND s.status = 'measured' ORDER BY f.submission_id", (n,))
+    chosen = self._meta('finals_of') == str(n)
+    waiting = 0 if chosen else self.query("SELECT COUNT(*) AS n FROM submissions WHERE status IN ('queued', 'measuring')")[0]['n']
+    pending = sum(r['status'] in ('queued', 'measuring') for r in rows)
+    return dict(closed_at=_iso(float(self._meta('closed_at'))), chosen=chosen, waiting=waiting, pending=pending,
+                done=sum(r['status'] == 'measured' for r in rows), in_progress=not chosen or pending > 0,
+                failed=[dict(id=r['id'], name=r['name'], reason=r['reason']) for r in rows if r['status'] == 'failed'])
+
+def _reopen(self, closes=None, now=None) -> dict:
+    """Open a closed competition again: `closes` a new close date (None keeps it, 'none' removes it; a date that has
+    passed must be moved or removed). The close's final measurements are set aside; public scores are shown again."""
+    now = _now() if now is None else float(now)
+    n = self._closing()
+    if n is None: raise TinycompError("the competition is not closed; there is nothing to reopen")
+    new = self.settings['closes'] if closes is None else _parse_when(closes, '--closes')
+    if new is not None and new <= now:
+        raise TinycompError(f"the close date {_iso(new)} has passed: give a later one (--closes '2026-12-08 18:00', "
+                            "UTC) or remove it (--closes none)")
+    with self.tx() as c:
+        c.execute("UPDATE final_measurements SET status = 'failed', reason = 'not measured: the competition was "
+                  "reopened' WHERE closing = ? AND status IN ('queued', 'measuring')", (n,))
+        c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [('closed', '0'), ('reopened_at', str(now))])
+        self.configure(closes=new)
+    return self.dates(now)
+
+Store._closing, Store._choose_finals, Store._finals = _closing, _choose_finals, _finals
+Store.final_status, Store.reopen = _final_status, _reopen
+
+# %% ../../nbs/97e_leaderboard_submissions.ipynb #cad4f880
+def _instructor_actions(self, sid=None) -> list:
+    "The instructor's removals and restorations, oldest first (of submission `sid`, or of all): submission_id, action, reason, date."
+    where, args = ("WHERE submission_id = ?", (int(sid),)) if sid is not None else ('', ())
+    return [dict(r, date=_iso(r['created'])) for r in self.query(
+        f"SELECT submission_id, action, reason, created FROM instructor_actions {where} ORDER BY id", args)]
+
+def _actions_by_submission(self) -> dict:
+    out = {}
+    for a in self.instructor_actions(): out.setdefault(a['submission_id'], []).append(a)
+    return out
+
+def _restore(self, sid, reason) -> dict:
+    """Undo `remove`: submission `sid` is measured again if it has a measurement, else queued (it is measured then);
+    the `reason` joins its history."""
+    reason = _reason(reason, 'restoring')
+    with self.tx() as c:
+        row = c.execute("SELECT participant_id, status, model_sha256 FROM submissions WHERE id = ?", (int(sid),)).fetchone()
+        if not row: raise TinycompError(f"no submission #{sid}")
+        if row['status'] != 'removed':
+            raise TinycompError(f"submission #{sid} is {row['status']}, not removed; only a removed entry can be restored")
+        twin = row['model_sha256'] and c.execute(
+            "SELECT id FROM submissions WHERE participant_id = ? AND model_sha256 = ? AND id != ? AND status NOT IN "
+            "('failed', 'removed')", (row['participant_id'], row['model_sha256'], int(sid))).fetchone()
+        if twin:
+            raise TinycompError(f"submission #{sid} holds the same model as the same participant's entry #{twin['id']}; "
+                                "a participant's model is ranked once, so remove that one first")
+        if c.execute("SELECT 1 FROM measurements WHERE submission_id = ?", (int(sid),)).fetchone():
+            c.execute("UPDATE submissions SET status = 'measured', reason = NULL WHERE id = ?", (int(sid),))
+        else: c.execute("UPDATE submissions SET status = 'queued', reason = NULL, started = NULL WHERE id = ?", (int(sid),))
+        c.execute("INSERT INTO instructor_actions (submission_id, action, reason, created) VALUES (?, 'restore', ?, ?)",
+                  (int(sid), reason, _now()))
+    return self.submission(sid)
+
+Store.instructor_actions, Store.restore = _instructor_actions, _restore
+
 # %% ../../nbs/97e_leaderboard_submissions.ipynb #f1f6b9e8
-_CSV_FIELDS = ['id', 'name', 'date', 'status', 'reason', 'kind', 'file_bytes', 'params', 'flops']
+_CSV_FIELDS = ['id', 'name', 'date', 'status', 'reason', 'kind', 'file_bytes', 'params', 'flops', 'deployed']
 _CSV_METRICS = ['accuracy', 'dacc_points', 'p_value', 'gate', 'speedup', 'compression', 'score', 'flags']
+_CSV_RANKS = ['closed_rank', 'closed_band', 'closed_tied', 'open_rank']
+
+def _rank_columns(board) -> dict:
+    "{submission id: its closed-track rank, band ('2-4' when it shares its rank band), tie, open-track rank} on one board."
+    out = {}
+    for r in board['tracks']['closed']:
+        band = r.get('band')
+        out[r['id']] = dict(closed_rank=r['rank'], closed_tied=r.get('tied', ''),
+                            closed_band=(f"{band[0]}-{band[1]}" if band[0] != band[1] else band[0]) if band else '')
+    for r in board['tracks']['open']: out.setdefault(r['id'], {})['open_rank'] = r['rank']
+    return out
+
+def _deployed(raw) -> bool | str:
+    "Whether the entry was timed frozen for deployment, as its raw measurement says ('' if it does not say)."
+    return json.loads(raw)['results']['submission'].get('settings', {}).get('deployed', '') if raw else ''
 
 def _export_csv(self, path) -> Path:
-    "One row per submission, public and private metrics side by side, written atomically."
+    """One row per submission: public and private metrics and ranks side by side, and whether it was timed frozen for
+    deployment; written atomically, readable by the group (the umask decides about others)."""
     sets = {split: {e['id']: e for e in self.entries(split == 'private')} for split in ('public', 'private')}
+    ranks = {split: _rank_columns(self.leaderboard(split == 'private')) for split in sets}
     buf = io.StringIO()
-    cols = _CSV_FIELDS + [f"{split}_{k}" for split in ('public', 'private') for k in _CSV_METRICS] + \
+    cols = _CSV_FIELDS + [f"{split}_{k}" for split in ('public', 'private') for k in _CSV_METRICS + _CSV_RANKS] + \
         [f"latency_ms_b{b}" for b in self.settings['batch_sizes']]
     w = csv.DictWriter(buf, fieldnames=cols, lineterminator='\n', extrasaction='ignore')
     w.writeheader()
-    for s in self.query("SELECT s.*, p.name FROM submissions s JOIN participants p ON p.id = s.participant_id ORDER BY s.id"):
-        row = dict(s, date=_iso(s['created']))
+    for s in self.query("SELECT s.*, p.name, m.raw FROM submissions s JOIN participants p ON p.id = s.participant_id "
+                        "LEFT JOIN measurements m ON m.submission_id = s.id ORDER BY s.id"):
+        row = dict(s, date=_iso(s['created']), deployed=_deployed(s['raw']))
         for split, es in sets.items():
             if s['id'] in es:
                 e = es[s['id']]
                 row.update({f"{split}_{k}": ('; '.join(e[k]) if k == 'flags' else e[k]) for k in _CSV_METRICS})
+                row.update({f"{split}_{k}": v for k, v in ranks[split].get(s['id'], {}).items()})
                 row.update({f"latency_ms_b{b}": v for b, v in e['latency_ms'].items()})
         w.writerow(row)
-    with atomic_write(path) as f: f.write(buf.getvalue().encode('utf-8'))
+    with atomic_write(path, mode=0o644) as f: f.write(buf.getvalue().encode('utf-8'))
     return Path(path)
 
 def _export_json(self, path) -> Path:
-    "Both leaderboards, every submission and every raw measurement, as one JSON file (atomic)."
+    "Both leaderboards, every submission and every raw measurement, as one JSON file (atomic, readable by the group)."
     doc = dict(exported=_iso(_now()), schema_version=SCHEMA_VERSION, settings=self.settings,
-               public=self.leaderboard(False), private=self.leaderboard(True),
+               public=self.leaderboard(False), private=self.leaderboard(True), instructor_actions=self.instructor_actions(),
                submissions=[dict(s, raw=json.loads(s['raw']) if s['raw'] else None) for s in self.query(
                    "SELECT s.id, p.name, s.created, s.status, s.reason, s.kind, s.file_bytes, s.unpacked_bytes, s.params, "
-                   "s.flops, s.sha256, m.seconds, m.raw FROM submissions s JOIN participants p ON p.id = s.participant_id "
+                   "s.flops, s.sha256, s.model_sha256, m.seconds, m.raw FROM submissions s JOIN participants p ON p.id = s.participant_id "
                    "LEFT JOIN measurements m ON m.submission_id = s.id ORDER BY s.id")])
-    with atomic_write(path) as f: f.write(json.dumps(doc, indent=1).encode('utf-8'))
+    with atomic_write(path, mode=0o644) as f: f.write(json.dumps(doc, indent=1).encode('utf-8'))
     return Path(path)
 
 def _both_metrics(raw, task) -> dict:

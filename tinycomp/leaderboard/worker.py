@@ -4,18 +4,23 @@
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #9d1a40ef
 from __future__ import annotations
-import contextlib, fcntl, json, os, signal, subprocess, sys, tempfile, threading, time
+import contextlib, fcntl, json, math, os, signal, subprocess, sys, tempfile, threading, time
 from pathlib import Path
+
+import numpy as np
 
 import tinycomp
 from ..errors import TinycompError
 from .. import io as tio
 from ..benchmarking.harness import compare
-from .store import _now, open_store
+from ..quantization import quantize_static
+from .scoring import entry_metrics
+from .store import _iso, _now, open_store
 from .submissions import _both_metrics
 
 # %% auto #0
-__all__ = ['MeasurementFailed', 'recover', 'measure_next', 'run_worker', 'worker_main', 'WorkerProcess']
+__all__ = ['MeasurementFailed', 'recover', 'measure_next', 'calibration_pair', 'calibrate', 'run_worker', 'worker_main',
+           'WorkerProcess']
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #458287d4
 class MeasurementFailed(TinycompError):
@@ -98,75 +103,212 @@ def _measuring_lock(store):
     finally: os.close(fd)                              # closing releases the lock
 
 def recover(store) -> int:
-    "Put jobs left 'measuring' by a dead worker back in the queue (call only while holding the measuring lock)."
+    "Put jobs left 'measuring' by a dead worker back in the queue, final measurements too (hold the measuring lock)."
     with store.tx() as c:
-        return c.execute("UPDATE submissions SET status = 'queued', started = NULL WHERE status = 'measuring'").rowcount
+        return (c.execute("UPDATE submissions SET status = 'queued', started = NULL WHERE status = 'measuring'").rowcount +
+                c.execute("UPDATE final_measurements SET status = 'queued', started = NULL WHERE status = 'measuring'").rowcount)
 
-def measure_next(store, isolate=None) -> int | None:
-    """Measure the oldest queued submission: claim it, measure it against the task's baseline, store the raw result and
-    its metrics, mark it measured (or failed with a reason). Returns its id, or None when the queue is empty."""
+_GAVE_UP = "the measurement stopped {} times without finishing (the worker was killed or crashed); not measured again"
+
+def _claim(store, max_attempts):
+    """The next job, claimed in one transaction: (kind, submission id, close number, model bytes or None when it was
+    given up), kind 'entry' for a submission and 'final' for a final measurement; None when there is nothing to do."""
+    with store.tx() as c:
+        row = c.execute("SELECT id, attempts, sha256 FROM submissions WHERE status = 'queued' ORDER BY id LIMIT 1").fetchone()
+        if row is not None:
+            sid = row['id']
+            if row['attempts'] >= max_attempts:
+                c.execute("UPDATE submissions SET status = 'failed', finished = ?, reason = ? WHERE id = ?",
+                          (_now(), _GAVE_UP.format(row['attempts']), sid))
+                return 'entry', sid, None, None
+            c.execute("UPDATE submissions SET status = 'measuring', attempts = attempts + 1, started = ? WHERE id = ?",
+                      (_now(), sid))
+            return 'entry', sid, None, c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
+    if not store._choose_finals(): return None          # open, or submissions still to measure before the finals
+    with store.tx() as c:
+        row = c.execute("SELECT f.closing, f.submission_id, f.attempts, s.sha256 FROM final_measurements f JOIN submissions s "
+                        "ON s.id = f.submission_id WHERE f.status = 'queued' AND s.status = 'measured' AND "
+                        "f.closing = (SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'closing') AND "
+                        "(SELECT value FROM meta WHERE key = 'closed') = '1' ORDER BY f.submission_id LIMIT 1").fetchone()
+        if row is None: return None
+        n, sid = row['closing'], row['submission_id']
+        if row['attempts'] >= max_attempts:
+            c.execute("UPDATE final_measurements SET status = 'failed', finished = ?, reason = ? WHERE closing = ? AND "
+                      "submission_id = ?", (_now(), _GAVE_UP.format(row['attempts']), n, sid))
+            return 'final', sid, n, None
+        c.execute("UPDATE final_measurements SET status = 'measuring', attempts = attempts + 1, started = ? WHERE "
+                  "closing = ? AND submission_id = ?", (_now(), n, sid))
+        return 'final', sid, n, c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
+
+def _store_result(c, kind, sid, closing, raw, scores, reason, seconds):
+    if kind == 'final':                  # a reopen meanwhile has set the job aside: then nothing changes
+        c.execute("UPDATE final_measurements SET status = ?, reason = ?, raw = ?, seconds = ?, finished = ? WHERE "
+                  "closing = ? AND submission_id = ? AND status = 'measuring'",
+                  ('measured' if raw is not None else 'failed', reason, None if raw is None else json.dumps(raw),
+                   seconds, _now(), closing, sid))
+        return
+    status = c.execute("SELECT status FROM submissions WHERE id = ?", (sid,)).fetchone()[0]
+    if raw is not None:
+        c.execute("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)", (sid, _now(), seconds, json.dumps(raw), scores))
+    new = ('measured' if raw is not None else 'failed') if status == 'measuring' else status   # removed meanwhile
+    c.execute("UPDATE submissions SET status = ?, reason = COALESCE(?, reason), finished = ? WHERE id = ?",
+              (new, reason, _now(), sid))
+
+def _measure_job(store, isolate=None) -> tuple | None:
+    "Claim and measure the next job; (kind, submission id) of it, or None when there is nothing to measure."
     s, task = store.settings, store.task()
     isolate = s['isolate'] if isolate is None else isolate
     with _measuring_lock(store):
         recover(store)
-        with store.tx() as c:
-            row = c.execute("SELECT id, attempts, sha256 FROM submissions WHERE status = 'queued' ORDER BY id LIMIT 1").fetchone()
-            if row is None: return None
-            sid = row['id']
-            if row['attempts'] >= s['max_attempts']:
-                c.execute("UPDATE submissions SET status = 'failed', finished = ?, reason = ? WHERE id = ?",
-                          (_now(), f"the measurement stopped {row['attempts']} times without finishing (the worker was "
-                                   "killed or crashed); not measured again", sid))
-                return sid
-            c.execute("UPDATE submissions SET status = 'measuring', attempts = attempts + 1, started = ? WHERE id = ?",
-                      (_now(), sid))
-            data = c.execute("SELECT data FROM files WHERE sha256 = ?", (row['sha256'],)).fetchone()[0]
+        job = _claim(store, s['max_attempts'])
+        if job is None: return None
+        kind, sid, closing, data = job
+        if data is None: return kind, sid
+        seed = int(sid) if kind == 'entry' else int(sid) + 1_000_003 * int(closing)     # a final job: another seed
         payload = dict(baseline=task['baseline'], submission=data, X=task['inputs'], y=task['labels'],
-                       batch_sizes=s['batch_sizes'], rounds=int(s['rounds']), calls=int(s['calls']), seed=int(sid),
-                       deployed=bool(s['deployed']),
-                       max_unpacked_bytes=int(s['max_unpacked_bytes']))
+                       batch_sizes=s['batch_sizes'], rounds=int(s['rounds']), calls=int(s['calls']), seed=seed,
+                       deployed=bool(s['deployed']), max_unpacked_bytes=int(s['max_unpacked_bytes']))
         t0 = time.perf_counter()
-        raw, reason = None, None
+        raw, scores, reason = None, None, None
         try:
             got = _run_isolated(payload, float(s['time_budget_s'])) if isolate else _measure_payload(payload)
-            scores = json.dumps(_both_metrics(got, task))
+            scores = json.dumps(_both_metrics(got, task))          # a raw result the scoring cannot read fails here
             raw = got
         except TinycompError as e: reason = str(e)
         except Exception as e: reason = f"the harness could not measure the model: {type(e).__name__}: {e}"
-        with store.tx() as c:
-            status = c.execute("SELECT status FROM submissions WHERE id = ?", (sid,)).fetchone()[0]
-            if raw is not None:
-                c.execute("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?, ?, ?)",
-                          (sid, _now(), time.perf_counter() - t0, json.dumps(raw), scores))
-            new = ('measured' if raw is not None else 'failed') if status == 'measuring' else status   # removed meanwhile
-            c.execute("UPDATE submissions SET status = ?, reason = COALESCE(?, reason), finished = ? WHERE id = ?",
-                      (new, reason, _now(), sid))
-    return sid
+        with store.tx() as c: _store_result(c, kind, sid, closing, raw, scores, reason, time.perf_counter() - t0)
+    return kind, sid
 
+def measure_next(store, isolate=None) -> int | None:
+    """Measure the next job: the oldest queued submission, or once the competition is closed and no submission waits,
+    the next counted entry's final measurement. Claim it, measure it against the task's baseline, store the raw result
+    (and a submission's metrics), mark it measured (or failed with a reason). Returns the submission's id, or None when
+    there is nothing to measure."""
+    job = _measure_job(store, isolate)
+    return None if job is None else job[1]
+
+# %% ../../nbs/97f_leaderboard_worker.ipynb #2928e69a
+def calibration_pair(store) -> tuple:
+    "(baseline file bytes, int8 twin's file bytes, a description of the pair) of the store's task."
+    task = store.task()
+    with tempfile.TemporaryDirectory(prefix='tinycomp-cal-') as d:
+        base = Path(d) / 'baseline.npz'
+        base.write_bytes(task['baseline'])
+        model = tio.load(base).eval()
+        try:
+            twin = tio.save(quantize_static(model, task['inputs'][:64]), Path(d) / 'int8.npz').read_bytes()
+            return task['baseline'], twin, f"{task['baseline_name']} against its int8 version (static quantization)"
+        except TinycompError:
+            return task['baseline'], task['baseline'], f"{task['baseline_name']} against itself (it cannot be quantized)"
+
+# %% ../../nbs/97f_leaderboard_worker.ipynb #f5752158
+def calibrate(store, jobs: int | None = None, isolate: bool | None = None, log=None) -> dict:
+    """Measure the calibration pair in `jobs` separate jobs (default: the store's `calibration_jobs` setting, at least
+    2) and store the job noise; returns {'job_noise', 'speedups', 'jobs', 'pair', 'date', 'seconds'}."""
+    s, task = store.settings, store.task()
+    jobs = int(s.get('calibration_jobs', 6) if jobs is None else jobs)
+    if jobs < 2: raise TinycompError(f"a calibration needs at least 2 jobs to measure a spread, got {jobs}")
+    isolate = s['isolate'] if isolate is None else isolate
+    base, twin, pair = calibration_pair(store)
+    started, logs = time.perf_counter(), []
+    for k in range(jobs):
+        payload = dict(baseline=base, submission=twin, X=task['inputs'], y=task['labels'], batch_sizes=s['batch_sizes'],
+                       rounds=int(s['rounds']), calls=int(s['calls']), seed=10_000 + k, deployed=bool(s['deployed']),
+                       max_unpacked_bytes=int(s['max_unpacked_bytes']))
+        raw = _run_isolated(payload, float(s['time_budget_s'])) if isolate else _measure_payload(payload)
+        m = entry_metrics(raw, task['labels'], np.ones(len(task['labels']), bool))
+        logs.append(math.log(m['speedup']))
+        if log: log(f"calibration job {k + 1}/{jobs}: speedup {m['speedup']:.3f}")
+    out = dict(job_noise=float(np.std(logs, ddof=1)), speedups=[math.exp(v) for v in logs], jobs=jobs, pair=pair,
+               date=_iso(_now()), seconds=time.perf_counter() - started)
+    with store.tx() as c:
+        c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ('calibration', json.dumps(out)))
+    return out
+
+# %% ../../nbs/97f_leaderboard_worker.ipynb #20131f03
 def run_worker(path, once=False, poll=0.5, isolate=None, log=print) -> int:
-    "Measure queued submissions of the store at `path` one at a time, forever (or until the queue is empty with `once`)."
+    """Measure the jobs of the store at `path` one at a time, forever (or until there is nothing to measure with
+    `once`); the final measurements after a close too (a close by date is noticed here while polling). A worker that
+    runs for good first calibrates the store's job noise if it has none yet (`calibrate`)."""
     store = open_store(path)
     done = 0
     try:
+        if not once and store.settings['calibration_jobs'] and store.calibration is None:
+            cal = calibrate(store, isolate=isolate, log=log)
+            if log: log(f"job noise {cal['job_noise']:.1%} ({cal['pair']}, {cal['jobs']} jobs)")
         while True:
-            sid = measure_next(store, isolate=isolate)
-            if sid is None:
+            job = _measure_job(store, isolate=isolate)
+            if job is None:
                 if once: return done
                 time.sleep(poll); continue
             done += 1
-            sub = store.submission(sid)
-            if log: log(f"#{sid} {sub['name']}: {sub['status']}" + (f" ({sub['reason']})" if sub['reason'] else ''))
+            if log: log(_job_line(store, *job))
     finally: store.disconnect()
+
+def _job_line(store, kind, sid) -> str:
+    sub = store.submission(sid)
+    if kind == 'entry': return f"#{sid} {sub['name']}: {sub['status']}" + (f" ({sub['reason']})" if sub['reason'] else '')
+    f = store.query("SELECT status, reason FROM final_measurements WHERE submission_id = ? ORDER BY closing DESC LIMIT 1",
+                    (sid,))[0]
+    return f"#{sid} {sub['name']}: final measurement {f['status']}" + (f" ({f['reason']})" if f['reason'] else '')
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #f3e57d93
 _WORKER_CODE = "import sys; from tinycomp.leaderboard.worker import worker_main; worker_main(sys.argv[1], int(sys.argv[2]))"
 
+class _Stopped(BaseException):
+    "SIGTERM reached the worker: unwind (a job in hand is given up) and exit."
+
+def _unsafe_to_raise(frame) -> bool:
+    "Is the main thread in a finalizer (which ignores exceptions) or starting the measuring child (a half-started child complains)?"
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == '__del__' or (code.co_name == 'start' and
+                                         code.co_filename.endswith(os.path.join('multiprocessing', 'process.py'))):
+            return True
+        frame = frame.f_back
+    return False
+
+def _requeue_interrupted(db_path) -> list:
+    "Put the job a stopped worker left 'measuring' back in the queue now, unless another worker measures (`recover` will)."
+    fd = os.open(str(db_path) + '.worker.lock', os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError: return []
+        store = open_store(db_path)
+        try:
+            ids = [r['id'] for r in store.query("SELECT id FROM submissions WHERE status = 'measuring'")]
+            recover(store)
+            return ids
+        finally: store.disconnect()
+    finally: os.close(fd)
+
 def worker_main(db_path, parent_pid: int | None = None):
-    "The worker process that `serve` starts: tied to its parent, then `run_worker(db_path)` until stopped."
+    """The worker process that `serve` starts: tied to its parent, then `run_worker(db_path)` until SIGTERM (or
+    Ctrl-C) stops it, at any moment, with one line in the log: a job in hand goes back to the queue."""
     if parent_pid: _die_with_parent(signal.SIGTERM, parent_pid)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # unwinds: the job in hand is rolled back and requeued
-    try: run_worker(str(db_path), log=lambda msg: print(f"tinycomp leaderboard worker: {msg}", flush=True))
-    except KeyboardInterrupt: pass
+    log = lambda msg: print(f"tinycomp leaderboard worker: {msg}", flush=True)
+    stopping, previous_hook = [], sys.unraisablehook
+    def again_soon():
+        t = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+        t.daemon = True
+        t.start()
+    def on_sigterm(signum, frame):
+        if stopping: return                                   # already stopping
+        if _unsafe_to_raise(frame): return again_soon()
+        stopping.append(signum)
+        raise _Stopped
+    def unraisable(u):                                        # a stop raised where Python ignores exceptions: again
+        if isinstance(u.exc_value, _Stopped): stopping.clear(); again_soon()
+        else: previous_hook(u)
+    sys.unraisablehook = unraisable
+    signal.signal(signal.SIGTERM, on_sigterm)
+    why = None
+    try: run_worker(str(db_path), log=log)
+    except _Stopped: why = 'SIGTERM'
+    except KeyboardInterrupt: why = 'Ctrl-C'
+    stopping.append(True)                                     # from here on, another SIGTERM changes nothing
+    ids = _requeue_interrupted(db_path)
+    log("stopped" + (f" ({why})" if why else '') + (f"; job {', '.join(f'#{i}' for i in ids)} is back in the queue" if ids else ''))
 
 # %% ../../nbs/97f_leaderboard_worker.ipynb #1089c962
 class WorkerProcess:
