@@ -57,7 +57,7 @@ def _speed_ms(r, bs) -> list:
 
 def _base_name(base) -> str: return f"baseline <small>{esc(base['name'])}</small>"
 
-def _ms(lb) -> str: return ' ms (frozen)' if lb['measurement']['deployed'] else ' ms'
+def _ms(lb) -> str: return ' ms (frozen)' if lb['deployed'] else ' ms'
 
 def _closed_table(lb, bs, styles) -> str:
     heads = [('#', 'r'), ('name', 'nm'), ('score <small>95% CI</small>', ''), ('accuracy <small>95% CI</small>', ''),
@@ -96,6 +96,7 @@ def _plots(lb, every, styles) -> str:
     in_open = {r['participant_id'] for r in tracks['open']}
     best = {r['id'] for r in tracks['open']} | {r['id'] for r in tracks['closed'] if r['participant_id'] not in in_open}
     front = sorted((r for r in tracks['open'] if r['on_front']), key=lambda r: r['rank'])
+    rows = {r['id']: r for track in ('closed', 'open') for r in tracks[track]}   # a ranked entry: as ranked
     priority = {}
     for r in front + tracks['closed'][:5]: priority.setdefault(r['id'], len(priority) + 1)
     base_acc = base['accuracy'] * 100
@@ -106,7 +107,7 @@ def _plots(lb, every, styles) -> str:
         pts = [dict(x=1.0 if key == 'lat' else base['file_bytes'], y=base['accuracy'], name='baseline', kind='baseline',
                     priority=0, tip=f"baseline {base['name']}: {fmt_pct(base['accuracy'])}, {fmt_bytes(base['file_bytes'])}")]
         for e in every:
-            top = e['id'] in best
+            e, top = rows.get(e['id'], e), e['id'] in best
             pts.append(dict(x=xof(e), y=e['accuracy'], name=e['name'] if top else f"{e['name']} #{e['id']}",
                             kind='best' if top else 'entry', style=styles.get(e['participant_id']) if top else None,
                             priority=priority.get(e['id']) if top else None,
@@ -165,10 +166,10 @@ def _measured_on(lb) -> str:
     m, base = lb['measurement'], lb['baseline']
     batches = ' and '.join(str(b) for b in m['batch_sizes'])
     cpu = f"{esc(m['cpu'])} ({m['cores']} cores)" if m.get('cpu') else "the server's CPU"
-    return (f"Measured on {cpu} with {m['threads']} "
-            f"thread{'s' if m['threads'] != 1 else ''}: each job times the entry and the baseline interleaved in one "
+    threads = f" with {m['threads']} thread{'s' if m['threads'] != 1 else ''}" if m.get('threads') else ''
+    return (f"Measured on {cpu}{threads}: each job times the entry and the baseline interleaved in one "
             f"process, {m['rounds']} rounds of {m['calls']} calls at batch sizes {batches}"
-            f"{', both models frozen for deployment' if m['deployed'] else ''}. Every speedup, compression and score is "
+            f"{', both models frozen for deployment' if lb['deployed'] else ''}. Every speedup, compression and score is "
             f"relative to the baseline {esc(base['name'])} (1× and score 1: as good as the baseline). Sizes in kB "
             "(1 kB = 1000 bytes).")
 
@@ -202,7 +203,9 @@ def render_page(store, private=None) -> str:
     """The leaderboard as one self-contained HTML page (the measurement settings, a table per track, the Pareto plots,
     the entries not ranked, histories and the rules); `private` as in `Store.leaderboard`. Every user-supplied string
     is escaped; no JavaScript."""
-    lb = store.leaderboard(private)
+    lb, s = store.leaderboard(private), store.settings
+    known = {k: v for k, v in (lb['measurement'] or {}).items() if v is not None}   # None before the first job
+    lb = dict(lb, measurement={'rounds': s['rounds'], 'calls': s['calls'], 'batch_sizes': s['batch_sizes'], **known})
     hist = store.history(lb['private'])
     pids = {p['name']: p['id'] for p in store.query("SELECT id, name FROM participants ORDER BY id")}
     styles = participant_styles(pids.values())
