@@ -162,7 +162,7 @@ def test_each_open_entry_says_why_it_ranks_there_and_others_who_stands_for_them(
     r = rank_entries(es)
     why = {e['id']: e['why'] for e in r['open']}
     assert why[1].startswith('on the Pareto front')
-    assert why[2] == 'dominated by #1 (p1): as good or better on all three, better on size'
+    assert why[2] == "dominated by p1's entry #1: as good or better on all three, better on size"
     assert r['standing'] == {3: 'closed track: your entry #1 stands for you (score 3.364 against 2.378); open track: your '
                                 'entry #1 stands for you (its Pareto rank is better, or equal with higher accuracy or an '
                                 'earlier submission)'}

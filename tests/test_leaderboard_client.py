@@ -379,7 +379,7 @@ def test_the_verdict_shows_intervals_ties_the_standing_line_and_the_baseline():
                  tracks=dict(closed=[row(3, 2, 'Bob', rank=1, band=[1, 2], tied=True),
                                      row(5, 1, 'Ada', rank=1, band=[1, 2], tied=True)],
                              open=[row(5, 1, 'Ada', rank=1, why='on the Pareto front'),
-                                   row(3, 2, 'Bob', rank=2, why='dominated by #5 (Ada) on accuracy and size')]))
+                                   row(3, 2, 'Bob', rank=2, why="dominated by Ada's entry #5: as good or better on all three, better on accuracy and size")]))
     sub['place'] = place_of(sub, board)
     assert format_submission(sub).splitlines() == [
         '#7 by Ada (2026-01-05 10:00 UTC): measured',

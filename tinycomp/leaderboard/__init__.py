@@ -17,7 +17,7 @@ _PUBLIC = {'scoring': ('GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION'
            'worker': ('MeasurementFailed', 'recover', 'measure_next', 'run_worker', 'calibrate'),
            'page': ('render_page',),
            'cli': ('format_submission', 'format_leaderboard', 'submit_local')}
-_MODULES = ('scoring', 'validation', 'store', 'submissions', 'worker', 'page', 'client', 'app', 'cli')
+_MODULES = ('scoring', 'validation', 'store', 'submissions', 'worker', 'plots', 'page', 'client', 'app', 'cli')
 _lazy_getattr, __dir__ = lazy_attributes({**{m: f'tinycomp.leaderboard.{m}' for m in _MODULES},
                                            **{n: f'tinycomp.leaderboard.{m}' for m, names in _PUBLIC.items() for n in names}},
                                           globals())

@@ -162,6 +162,28 @@ details{margin:.3em 0}summary{cursor:pointer}.flag{color:#a40}
 """
 
 # %% ../../nbs/97g_leaderboard_page.ipynb #4f0fba6c
+def _phase_line(lb) -> str:
+    "The competition's phase and dates in one line, with the final measurement's progress once closed."
+    closes = f"; it closes at {lb['closes']}" if lb.get('closes') else ''
+    if lb.get('phase') == 'not open yet': return f"Competition not open yet: submissions open at {lb['opens']}{closes}"
+    if not lb['closed']: return f"Competition open{closes}: public part of the evaluation set"
+    f = lb.get('final') or {}
+    line = f"Competition closed{' at ' + f['closed_at'] if f.get('closed_at') else ''}: final ranking on the private part"
+    if f.get('in_progress'):
+        line += (f"; final measurement in progress ({f.get('done', 0)} of {f.get('done', 0) + f.get('pending', 0)} "
+                 "counted entries measured again)")
+    return line
+
+def _interval_note(lb) -> str:
+    "Where the score's interval comes from, with the job noise the server measured."
+    m = lb['measurement']
+    if m.get('job_noise'):
+        return (f"The score's 95 % interval combines the spread of the job's own timed rounds with the noise between "
+                f"jobs that this server measured ({m['job_noise']:.1%} of the speedup, {m.get('calibration_pair')}, "
+                f"{m.get('calibrated')}).")
+    return ("The score's 95 % interval comes from the spread of the job's own timed rounds (the noise between jobs "
+            "is not calibrated yet).")
+
 def _measured_on(lb) -> str:
     m, base = lb['measurement'], lb['baseline']
     batches = ' and '.join(str(b) for b in m['batch_sizes'])
@@ -211,15 +233,13 @@ def render_page(store, private=None) -> str:
     styles = participant_styles(pids.values())
     every = [e for e in store.entries(lb['private']) if not e['flags']]
     bs = [str(b) for b in lb['measurement']['batch_sizes']]
-    status = 'closed: final ranking on the private part' if lb['closed'] else 'open: public part of the evaluation set'
     none = '<p>No ranked entries yet.</p>'
-    parts = [f"<header><h1>Leaderboard: {esc(lb['task'])}</h1><p class=\"meta\">Competition {esc(status)} "
+    parts = [f"<header><h1>Leaderboard: {esc(lb['task'])}</h1><p class=\"meta\">{esc(_phase_line(lb))} "
              f"({lb['samples']} {esc(lb['split'])} samples). Page made {esc(_iso(_now()))}. Every number was measured "
              "by the organiser's worker; nothing a participant sent was taken on trust.</p>"
              f'<p class="meta">{_measured_on(lb)}</p></header>',
-             '<section><h2>Closed track</h2><p class="rules">' + esc(SCORE_FORMULA) + '. The score\'s 95 % interval '
-             'comes from the spread of the timings; entries whose intervals overlap share a rank band (=3: tied from '
-             'place 3).</p>' + (_closed_table(lb, bs, styles) if lb['tracks']['closed'] else none) + '</section>',
+             '<section><h2>Closed track</h2><p class="rules">' + esc(SCORE_FORMULA) + '. ' + esc(_interval_note(lb)) +
+             ' Entries whose intervals overlap share a rank band (=3: tied from place 3).</p>' + (_closed_table(lb, bs, styles) if lb['tracks']['closed'] else none) + '</section>',
              '<section><h2>Open track</h2><p class="rules">Ranked by Pareto rank over (accuracy ↑, batch-1 latency '
              'relative to the baseline ↓, file size ↓); the shaded rows are the Pareto front. '
              f"The open track's accuracy floor: {esc(lb['open_floor'])}.</p>" + (_open_table(lb, bs, styles) if lb['tracks']['open'] else none) + '</section>',

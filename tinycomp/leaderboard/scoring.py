@@ -202,7 +202,7 @@ def rank_entries(entries, open_min_accuracy=None) -> dict:
         over = [o for o in open_rows if o['pareto_rank'] == e['pareto_rank'] - 1 and _dominates(o, e)]
         e['why'] = ("on the Pareto front: no other entry is at least as good on accuracy, latency and size and "
                     "better on one" if not over else
-                    f"dominated by #{over[0]['id']} ({over[0]['name']}): as good or better on all three, better on "
+                    f"dominated by {over[0]['name']}'s entry #{over[0]['id']}: as good or better on all three, better on "
                     f"{_words(_better(over[0], e))}")
         e.pop('_all_rank', None)
     standing = _standing(entries, closed, {e['participant_id']: e for e in open_rows}, open_min_accuracy)

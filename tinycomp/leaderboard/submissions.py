@@ -149,7 +149,8 @@ def _measurement_info(store) -> dict | None:
     env, st = sub.get('environment', {}), sub.get('settings', {})     # made-up measurements have neither
     return dict(rounds=st.get('rounds'), calls=st.get('calls'), batch_sizes=st.get('batch_sizes'),
                 threads=env.get('threads', {}).get('numba'), deployed=st.get('deployed'), cpu=env.get('cpu'),
-                cores=env.get('usable_cores'))
+                cores=env.get('usable_cores'), job_noise=store.job_noise,
+                calibrated=(store.calibration or {}).get('date'), calibration_pair=(store.calibration or {}).get('pair'))
 
 def _not_counted(entries) -> dict:
     "{id: line} for the entries a final ranking leaves out: not among their participant's counted entries."
