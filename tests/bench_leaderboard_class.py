@@ -1,6 +1,6 @@
 """Benchmark (not collected by pytest): a class of 8 simulated participants x 5 submissions on loopback against
 `tinycomp leaderboard serve` with the default task and settings (digits test split, digits_cnn baseline, 20 rounds of
-5 calls, each job in its own process). Prints the time per submission and the requests per second the server sustains
+5 calls, each job in its own process, after the server's calibration of six jobs). Prints the time per submission and the requests per second the server sustains
 while a measurement runs. Run from the repository: `python tests/bench_leaderboard_class.py` (about a minute)."""
 import http.client, sys, tempfile, threading, time, statistics
 from concurrent.futures import ThreadPoolExecutor
@@ -50,5 +50,9 @@ if __name__ == '__main__':
               f"wall {wall:.1f} s; median job (claimed -> measured) {job:.2f} s; median accepted -> measured {wait:.1f} s "
               f"(queue of 40); GET /api/leaderboard while measuring: median {statistics.median(busy):.0f} req/s over "
               f"{len(busy)} 2-s windows (min {min(busy):.0f}, max {max(busy):.0f}); idle {idle:.0f} req/s")
+        cal = store.calibration
+        print(f"calibration before the first job: {cal['jobs']} jobs in {cal['seconds']:.0f} s, job noise {cal['job_noise']:.1%}")
+        ranked = store.leaderboard()['tracks']['closed']
+        print(f"closed track: {len(ranked)} ranked, places {sorted({tuple(r['band']) for r in ranked})}")
         print(f"after: GET /api/leaderboard with 40 entries {rps(server.port):.0f} req/s, GET / {rps(server.port, path='/'):.0f} req/s")
     finally: server.stop()
