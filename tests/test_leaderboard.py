@@ -22,7 +22,7 @@ from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
 import tinycomp.leaderboard as lb
 from tinycomp.leaderboard import cli as lb_cli, store as lb_store
-from tinycomp.leaderboard.scoring import entry_metrics, rank_entries, synthetic_measurement
+from tinycomp.leaderboard.scoring import entry_metrics, log_speedup, rank_entries, synthetic_measurement
 from tinycomp.leaderboard.submissions import DAY
 from tinycomp.leaderboard.validation import SubmissionRejected
 from tinycomp.models import load_pretrained, pretrained_path
@@ -706,3 +706,16 @@ def test_a_worker_that_runs_for_good_calibrates_once_before_its_first_job(tmp_pa
         out = proc.communicate(timeout=30)[0]
     assert 'calibration job 2/2' in out and 'Traceback' not in out
     assert lb.run_worker(s.path, once=True, log=None) == 0 and s.calibration['jobs'] == 2   # --once: no new calibration
+
+
+def test_repeated_jobs_of_identical_models_feed_the_job_noise(tmp_path, files):
+    s = make_store(tmp_path, files, rate_per_day=0)
+    for name in ('ann', 'ben', 'cat'): s.accept(s.issue_token(name), files['int8'].read_bytes())   # classmates' copies
+    while lb.measure_next(s): pass
+    sd, df = s.repeats()
+    logs = [log_speedup(json.loads(r['raw'])) for r in s.query("SELECT raw FROM measurements")]
+    assert df == 2 and sd == pytest.approx(float(np.std(logs, ddof=1))) and s.job_noise == sd   # not calibrated yet
+    s.configure(calibration_jobs=2)
+    with s.tx() as c: c.execute("INSERT INTO meta VALUES ('calibration', ?)", (json.dumps(dict(job_noise=sd + 0.01)),))
+    assert s.job_noise == sd + 0.01                                        # the larger of the two
+    assert s.leaderboard()['measurement']['repeats'] == 2

@@ -177,12 +177,14 @@ def _phase_line(lb) -> str:
 def _interval_note(lb) -> str:
     "Where the score's interval comes from, with the job noise the server measured."
     m = lb['measurement']
-    if m.get('job_noise'):
-        return (f"The score's 95 % interval combines the spread of the job's own timed rounds with the noise between "
-                f"jobs that this server measured ({m['job_noise']:.1%} of the speedup, {m.get('calibration_pair')}, "
-                f"{m.get('calibrated')}).")
-    return ("The score's 95 % interval comes from the spread of the job's own timed rounds (the noise between jobs "
-            "is not calibrated yet).")
+    if not m.get('job_noise'):
+        return ("The score's 95 % interval comes from the spread of the job's own timed rounds (the noise between jobs "
+                "is not measured yet).")
+    sources = ([f"its calibration ({m['calibration_pair']}, {m['calibrated']})"] if m.get('calibrated') else []) + \
+              ([f"the spread of the repeated jobs of identical models ({m['repeats']} repeats)"] if m.get('repeats') else [])
+    return (f"The score's 95 % interval combines the spread of the job's own timed rounds with the noise between jobs "
+            f"this server measured: {m['job_noise']:.1%} of the speedup, " +
+            (f"the larger of {' and '.join(sources)}." if len(sources) > 1 else f"from {sources[0]}."))
 
 def _measured_on(lb) -> str:
     m, base = lb['measurement'], lb['baseline']

@@ -14,8 +14,8 @@ from ..benchmarking.evaluation import pareto_mask
 
 # %% auto #0
 __all__ = ['GATE_POINTS', 'GATE_P', 'MAX_SPEEDUP', 'MAX_COMPRESSION', 'SCORE_DECIMALS', 'Z95', 'SCORE_FORMULA', 'RULES',
-           'OPEN_OBJECTIVES', 'entry_metrics', 'synthetic_measurement', 'pareto_ranks', 'rank_bands', 'open_floor',
-           'rank_entries', 'baseline_row']
+           'OPEN_OBJECTIVES', 'entry_metrics', 'log_speedup', 'repeat_noise', 'synthetic_measurement', 'pareto_ranks',
+           'rank_bands', 'open_floor', 'rank_entries', 'baseline_row']
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #1a70a7ac
 GATE_POINTS, GATE_P = 1.0, 0.05           # closed track: accuracy >= baseline - 1 point, unless the drop is not significant
@@ -101,6 +101,21 @@ def entry_metrics(raw: dict, labels, subset, job_noise: float = 0.0) -> dict:
                 file_bytes=int(sub['file_bytes']), baseline_file_bytes=int(base['file_bytes']), compression=compression,
                 score=score, score_ci=_interval(score, log_sd / 2), bits_per_param=sub.get('bits_per_param'),
                 params=sub.get('params'), flags=flags)
+
+# %% ../../nbs/97b_leaderboard_scoring.ipynb #c6e4fba9
+def log_speedup(raw) -> float:
+    "The log of the speedup of a raw measurement, as `entry_metrics` computes it (mean over the batch sizes)."
+    base, sub = raw['results']['baseline'], raw['results']['submission']
+    bs = sorted(sub['latency'], key=int)
+    return sum(math.log(_median(base['latency'][b]['samples_s']) / _median(sub['latency'][b]['samples_s']))
+               for b in bs) / len(bs)
+
+def repeat_noise(groups) -> tuple:
+    """(pooled standard deviation, degrees of freedom) of the log speedups in `groups` (one list per model, each list
+    the log speedups of its repeated jobs); (0.0, 0) when no model was measured twice."""
+    dev = sum(float(np.sum((np.asarray(g) - np.mean(g)) ** 2)) for g in groups if len(g) > 1)
+    df = sum(len(g) - 1 for g in groups if len(g) > 1)
+    return (math.sqrt(dev / df), df) if df else (0.0, 0)
 
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #5f5c3e9b
 def synthetic_measurement(base_pred, sub_pred, base_ms=(2.0, 8.0), sub_ms=(1.0, 2.0), base_bytes=4000, sub_bytes=1000,

@@ -254,7 +254,6 @@ def _calibration(self) -> dict | None:
 
 Store.settings = property(_settings)
 Store.calibration = property(_calibration)
-Store.job_noise = property(lambda self: float(self.calibration['job_noise']) if self.calibration else 0.0)
 Store.configure, Store._meta = _configure, _meta
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #533979b3

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import TinycompError
 from ..files import atomic_write
-from .scoring import OPEN_OBJECTIVES, RULES, SCORE_FORMULA, entry_metrics, rank_entries
+from .scoring import OPEN_OBJECTIVES, RULES, SCORE_FORMULA, entry_metrics, log_speedup, rank_entries, repeat_noise
 from .validation import SubmissionRejected, model_file_fingerprint, validate_model_bytes
 from .store import SCHEMA_VERSION, Store, _iso, _now, _sha256
 
@@ -107,6 +107,23 @@ def _subset(self, private):
     private = self.closed if private is None else bool(private)
     return (t['private'] if private else ~t['private']), private
 
+def _repeats(self) -> tuple:
+    "(pooled sd, degrees of freedom) of the log speedup over the repeated jobs of identical models (`repeat_noise`)."
+    groups = {}
+    for r in self.query("SELECT s.model_sha256 AS k, m.raw FROM submissions s JOIN measurements m ON m.submission_id = s.id "
+                        "WHERE s.model_sha256 IS NOT NULL UNION ALL SELECT s.model_sha256, f.raw FROM final_measurements f "
+                        "JOIN submissions s ON s.id = f.submission_id WHERE f.status = 'measured' AND s.model_sha256 IS NOT NULL"):
+        groups.setdefault(r['k'], []).append(log_speedup(json.loads(r['raw'])))
+    return repeat_noise(groups.values())
+
+def _job_noise(self) -> float:
+    """The noise between jobs that widens every interval: the larger of the calibration's and the spread of the
+    repeated jobs of identical models (once it rests on at least 2 degrees of freedom)."""
+    sd, df = self.repeats()
+    return max(float((self.calibration or {}).get('job_noise', 0.0)), sd if df >= 2 else 0.0)
+
+Store.repeats, Store.job_noise = _repeats, property(_job_noise)
+
 def _entries(self, private=None) -> list:
     """Every measured entry (removed and failed ones excluded) with its metrics on the public or private part. Once
     closed, on the private part: `counted` says whether it is one of its participant's counted entries, `final` how its
@@ -149,7 +166,7 @@ def _measurement_info(store) -> dict | None:
     env, st = sub.get('environment', {}), sub.get('settings', {})     # made-up measurements have neither
     return dict(rounds=st.get('rounds'), calls=st.get('calls'), batch_sizes=st.get('batch_sizes'),
                 threads=env.get('threads', {}).get('numba'), deployed=st.get('deployed'), cpu=env.get('cpu'),
-                cores=env.get('usable_cores'), job_noise=store.job_noise,
+                cores=env.get('usable_cores'), job_noise=store.job_noise, repeats=store.repeats()[1],
                 calibrated=(store.calibration or {}).get('date'), calibration_pair=(store.calibration or {}).get('pair'))
 
 def _not_counted(entries) -> dict:
