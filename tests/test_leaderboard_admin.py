@@ -243,8 +243,10 @@ def test_csv_export_has_ranks_and_deployed_and_files_are_readable_by_the_group(t
         s.export_csv(tmp_path / 'group.csv')
     finally:
         os.umask(old)
-    modes = {n: oct(stat.S_IMODE((tmp_path / n).stat().st_mode)) for n in ('x.csv', 'x.json', 'p.html', 'group.csv')}
-    assert modes == {'x.csv': '0o644', 'x.json': '0o644', 'p.html': '0o644', 'group.csv': '0o640'}
+    modes = {n: oct(stat.S_IMODE((tmp_path / n).stat().st_mode)) for n in ('x.csv', 'x.json', 'p.html', 'group.csv', 'lb.db')}
+    # exports hold private scores: the group may read them; the page is for everyone; the database (private labels,
+    # every model file) for its owner only
+    assert modes == {'x.csv': '0o640', 'x.json': '0o640', 'p.html': '0o644', 'group.csv': '0o640', 'lb.db': '0o600'}
     rows = list(csv.DictReader((tmp_path / 'x.csv').open()))
     assert [int(r['id']) for r in rows] == ids and all(r['deployed'] == 'False' for r in rows)
     for split in ('public', 'private'):
@@ -285,3 +287,21 @@ def test_sigterm_stops_the_worker_cleanly_and_requeues_its_job(tmp_path, files, 
     lb.recover(s)
     got = s.submission(a['id'])
     assert (got['status'], got['attempts']) == ('queued', 1) and count(s, 'measurements') == 0
+
+
+def test_remeasure_queues_a_doubted_measurement_again_with_its_reason(tmp_path, files, capsys):
+    s = make_store(tmp_path / 'lb.db', files)
+    a = s.accept(s.issue_token('ann'), files['m0'].read_bytes())
+    with pytest.raises(TinycompError, match='is queued; only a measured or failed entry can be measured again'):
+        s.remeasure(a['id'], 'too early')
+    assert lb.measure_next(s) == a['id']
+    first = s.query("SELECT raw FROM measurements WHERE submission_id = ?", (a['id'],))[0]['raw']
+    assert main(['leaderboard', 'remeasure', str(a['id']), '--reason', 'flagged while the machine was busy',
+                 '--db', str(s.path)]) == 0
+    assert 'queued to be measured again by the instructor' in capsys.readouterr().out
+    sub = s.submission(a['id'])
+    assert sub['status'] == 'queued' and not s.query("SELECT 1 FROM measurements WHERE submission_id = ?", (a['id'],))
+    assert [(x['action'], x['reason']) for x in sub['actions']] == [('remeasure', 'flagged while the machine was busy')]
+    assert lb.measure_next(s) == a['id'] and s.submission(a['id'])['status'] == 'measured'
+    assert s.query("SELECT raw FROM measurements WHERE submission_id = ?", (a['id'],))[0]['raw'] != first
+    with pytest.raises(TinycompError, match='give a reason'): s.remeasure(a['id'], ' ')

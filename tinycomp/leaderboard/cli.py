@@ -25,7 +25,7 @@ __all__ = ['format_submission', 'format_leaderboard', 'submit_local', 'add_serve
            'format_history', 'add_submissions_cli']
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #c3587446
-_DONE = {'remove': 'removed', 'restore': 'restored'}
+_DONE = {'remove': 'removed', 'restore': 'restored', 'remeasure': 'queued to be measured again'}
 
 def _ci(ci, fmt) -> str:
     return f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci and None not in ci else ''
@@ -72,7 +72,9 @@ def _rank(r) -> str: return f"{r['rank']}{'=' if r.get('tied') else ''}"
 def format_leaderboard(lb) -> str:
     """The tracks as text tables, the baseline as their first row (a tied rank ends in '=': the score intervals of
     the entries sharing it overlap); the open track shows the three columns its Pareto rank is decided on."""
-    lines = [f"{lb['task']}: {'closed' if lb['closed'] else 'open'}, {lb['split']} scores on {lb['samples']} samples"
+    phase = lb.get('phase') or ('closed' if lb['closed'] else 'open')
+    dates = ''.join(f", {k} {lb[k]}" for k in ('opens', 'closes') if lb.get(k))
+    lines = [f"{lb['task']}: {phase}{dates}; {lb['split']} scores on {lb['samples']} samples"
              f"{', latency of the models frozen for deployment' if lb.get('deployed') else ''}",
              SCORE_FORMULA]
     base = lb.get('baseline') or {}
@@ -203,10 +205,10 @@ def _write_tokens(store, class_csv, out) -> dict:
     return tokens
 
 def _run_admin(args) -> int:
-    "`restore` and `tokens`."
+    "`restore`, `remeasure` and `tokens`."
     store = open_store(args.db)
-    if args.lb_command == 'restore':
-        print(format_submission(store.restore(args.id, args.reason)))
+    if args.lb_command in ('restore', 'remeasure'):
+        print(format_submission(getattr(store, args.lb_command)(args.id, args.reason)))
     else:
         tokens = _write_tokens(store, args.csv, args.write)
         print(f"registered {len(tokens)} participants; their tokens are in {args.write}, readable by you only: give each "
@@ -215,7 +217,7 @@ def _run_admin(args) -> int:
 
 def _run_lb(args) -> int:
     a = args.lb_command
-    if a in ('restore', 'tokens'): return _run_admin(args)
+    if a in ('restore', 'remeasure', 'tokens'): return _run_admin(args)
     if a == 'init':
         if (args.task_data is None) != (args.baseline is None):
             raise TinycompError("--task-data and --baseline go together (or give neither for a shipped --task)")
@@ -317,10 +319,16 @@ def add_serve_action(leaderboard_subparsers):
     return p
 
 def _add_admin_actions(action):
-    "Register `restore ID --reason R` and `tokens --csv FILE --write FILE` with the `action` helper of `add_leaderboard_cli`."
+    "Register `restore ID --reason R`, `remeasure ID --reason R` and `tokens --csv FILE --write FILE` (see `add_leaderboard_cli`)."
     p = action('restore', 'undo a removal, with a reason',
                'Restore a removed entry: it is ranked again if it was measured (else it is queued and measured); its '
                'history keeps both reasons.')
+    p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
+    p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
+    p = action('remeasure', 'measure an entry again, with a reason',
+               "Measure a measured or failed entry again (its measurement is dropped and it is queued): for a "
+               "measurement you doubt, e.g. a compliance flag raised while the machine was busy. Its history keeps "
+               "the reason.")
     p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
     p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
     p = action('tokens', 'register a whole class from a CSV list; write their tokens to a file',

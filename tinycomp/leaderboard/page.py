@@ -197,6 +197,12 @@ def _measured_on(lb) -> str:
             f"relative to the baseline {esc(base['name'])} (1× and score 1: as good as the baseline). Sizes in kB "
             "(1 kB = 1000 bytes).")
 
+def _public_standing(lb, sid):
+    "An entry's standing line as the class reads it on the page (it speaks of 'their' entry, not 'your')."
+    line = _standing(lb, sid)
+    return line and line.replace('your entry', 'their entry').replace('stands for you', 'stands for them').replace(
+        'none of yours', 'none of theirs').replace('(yours:', '(theirs:')
+
 def _standing(lb, sid):
     st = lb.get('standing') or {}
     return st.get(sid, st.get(str(sid)))
@@ -210,7 +216,9 @@ def _history(lb, hist, styles, pids) -> str:
         rows = [['–', '', 'baseline', '', _acc(base), f"{1:.{SCORE_DECIMALS}f}", fmt_bytes(base['file_bytes']), '', '']
                 ] if 'accuracy' in base else []                  # the baseline's numbers come with the first measurement
         for s in subs:
-            note = s.get('reason') or _standing(lb, s['id']) or '; '.join(s.get('flags', []))
+            reason = ('removed by the instructor (the reason goes to the participant alone)' if s['status'] == 'removed'
+                      else s.get('reason'))                    # a public page: the instructor's words stay private
+            note = reason or _public_standing(lb, s['id']) or '; '.join(s.get('flags', []))
             rows.append([f"#{s['id']}", _date(s), esc(s['status']), esc(s.get('kind', '')),
                          _acc(s) if 'accuracy' in s else '–', f"{s['score']:.{SCORE_DECIMALS}f}" if 'score' in s else '–',
                          fmt_bytes(s['file_bytes']), esc(s.get('gate', '–')), esc(note)])

@@ -90,7 +90,9 @@ def entry_metrics(raw: dict, labels, subset, job_noise: float = 0.0) -> dict:
         c = sub['compliance']
         flags.append("failed compliance: " + ('timed predictions differ from the untimed ones'
                                               if not c['predictions_match'] else
-                                              f"fresh inputs {c['repeat_ratio']:.2f}x slower than a repeated one"))
+                                              f"fresh inputs ran {c['repeat_ratio']:.2f}x slower than one input repeated (a model that "
+                                              "caches its answers would; on a busy machine an honest one can too: "
+                                              "ask your instructor to measure it again)"))
     if max(speed.values()) > MAX_SPEEDUP or compression > MAX_COMPRESSION:
         flags.append(f"under investigation: speedup {max(speed.values()):.1f}x or compression {compression:.1f}x is "
                      f"above the plausibility limits ({MAX_SPEEDUP:g}x, {MAX_COMPRESSION:g}x)")

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/97d_leaderboard_store.ipynb #12d451bf
 from __future__ import annotations
-import contextlib, csv, datetime, hashlib, io, json, math, secrets, sqlite3, threading, time
+import contextlib, csv, datetime, hashlib, io, json, math, os, secrets, sqlite3, threading, time
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +69,7 @@ MIGRATIONS = [
     DROP TABLE measurements_kept;
     CREATE TABLE instructor_actions (id INTEGER PRIMARY KEY,
         submission_id INTEGER NOT NULL REFERENCES submissions(id),
-        action TEXT NOT NULL CHECK (action IN ('remove', 'restore')), reason TEXT NOT NULL, created REAL NOT NULL);
+        action TEXT NOT NULL CHECK (action IN ('remove', 'restore', 'remeasure')), reason TEXT NOT NULL, created REAL NOT NULL);
     CREATE INDEX instructor_actions_by_submission ON instructor_actions (submission_id)""",
 ]
 
@@ -132,6 +132,10 @@ class Store:
         if not create and not self.path.is_file():
             raise TinycompError(f"no leaderboard at {self.path}; create one with `tinycomp leaderboard init --db {self.path}`")
         if self.path.is_dir(): raise TinycompError(f"{self.path} is a folder; give the database file's name")
+        if create and not self.path.exists():      # the private labels and every model file: for its owner only
+            try: os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError: pass
+            except OSError as e: raise TinycompError(f"cannot create the leaderboard database {self.path}: {e.strerror}") from None
         self._local, self._all, self._lock = threading.local(), [], threading.Lock()
         self._conn()
 

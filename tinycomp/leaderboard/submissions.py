@@ -372,7 +372,25 @@ def _restore(self, sid, reason) -> dict:
                   (int(sid), reason, _now()))
     return self.submission(sid)
 
-Store.instructor_actions, Store.restore = _instructor_actions, _restore
+def _remeasure(self, sid, reason) -> dict:
+    """Measure submission `sid` again: for a measurement the instructor doubts (a compliance flag raised while the
+    machine was busy, a crash of the machine). Its measurement is dropped and it goes back to the queue; the `reason`
+    joins its history."""
+    reason = _reason(reason, 'measuring again')
+    with self.tx() as c:
+        row = c.execute("SELECT status FROM submissions WHERE id = ?", (int(sid),)).fetchone()
+        if not row: raise TinycompError(f"no submission #{sid}")
+        if row['status'] not in ('measured', 'failed'):
+            raise TinycompError(f"submission #{sid} is {row['status']}; only a measured or failed entry can be measured "
+                                "again")
+        c.execute("DELETE FROM measurements WHERE submission_id = ?", (int(sid),))
+        c.execute("UPDATE submissions SET status = 'queued', reason = NULL, attempts = 0, started = NULL, finished = NULL "
+                  "WHERE id = ?", (int(sid),))
+        c.execute("INSERT INTO instructor_actions (submission_id, action, reason, created) VALUES (?, 'remeasure', ?, ?)",
+                  (int(sid), reason, _now()))
+    return self.submission(sid)
+
+Store.instructor_actions, Store.restore, Store.remeasure = _instructor_actions, _restore, _remeasure
 
 # %% ../../nbs/97e_leaderboard_submissions.ipynb #f1f6b9e8
 _CSV_FIELDS = ['id', 'name', 'date', 'status', 'reason', 'kind', 'file_bytes', 'params', 'flops', 'deployed']
@@ -413,7 +431,7 @@ def _export_csv(self, path) -> Path:
                 row.update({f"{split}_{k}": v for k, v in ranks[split].get(s['id'], {}).items()})
                 row.update({f"latency_ms_b{b}": v for b, v in e['latency_ms'].items()})
         w.writerow(row)
-    with atomic_write(path, mode=0o644) as f: f.write(buf.getvalue().encode('utf-8'))
+    with atomic_write(path, mode=0o640) as f: f.write(buf.getvalue().encode('utf-8'))
     return Path(path)
 
 def _export_json(self, path) -> Path:
@@ -424,7 +442,7 @@ def _export_json(self, path) -> Path:
                    "SELECT s.id, p.name, s.created, s.status, s.reason, s.kind, s.file_bytes, s.unpacked_bytes, s.params, "
                    "s.flops, s.sha256, s.model_sha256, m.seconds, m.raw FROM submissions s JOIN participants p ON p.id = s.participant_id "
                    "LEFT JOIN measurements m ON m.submission_id = s.id ORDER BY s.id")])
-    with atomic_write(path, mode=0o644) as f: f.write(json.dumps(doc, indent=1).encode('utf-8'))
+    with atomic_write(path, mode=0o640) as f: f.write(json.dumps(doc, indent=1).encode('utf-8'))
     return Path(path)
 
 def _both_metrics(raw, task) -> dict:
