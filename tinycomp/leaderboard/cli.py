@@ -211,7 +211,7 @@ def _run_admin(args) -> int:
         print(format_submission(getattr(store, args.lb_command)(args.id, args.reason)))
     else:
         tokens = _write_tokens(store, args.csv, args.write)
-        print(f"registered {len(tokens)} participants; their tokens are in {args.write}, readable by you only: give each "
+        print(f"registered {len(tokens)} participant{'s' if len(tokens) != 1 else ''}; their tokens are in {args.write}, readable by you only: give each "
               "their own privately")
     return 0
 
@@ -475,7 +475,7 @@ def add_submissions_cli(subparsers):
     "Register `tinycomp submissions --server URL [--token T]` on an argparse `subparsers` object; returns its parser."
     s = subparsers.add_parser('submissions', help='list your own leaderboard submissions and their scores (learner)',
                               description='List every submission of yours to a leaderboard: status (and why one '
-                                          'failed), scores with their 95 %% intervals, latency per batch size, the '
+                                          'failed), scores with their 95 % intervals, latency per batch size, the '
                                           'accuracy gate, your rank on each track. Only yours: the token says who you are.')
     s.add_argument('--server', metavar='URL', help='the leaderboard server, e.g. http://127.0.0.1:8000')
     s.add_argument('--local', action='store_true', help='no server: read the leaderboard database itself (with --db)')
