@@ -720,3 +720,15 @@ def test_repeated_jobs_of_identical_models_feed_the_job_noise(tmp_path, files):
     with s.tx() as c: c.execute("INSERT INTO meta VALUES ('calibration', ?)", (json.dumps(dict(job_noise=sd + 0.01)),))
     assert s.job_noise == sd + 0.01                                        # the larger of the two
     assert s.leaderboard()['measurement']['repeats'] == 2
+
+
+def test_the_open_track_counts_latency_only_when_the_intervals_part():
+    a, b = entry(1, 1, 0, ms=(1.00, 2)), entry(2, 2, 0, ms=(1.03, 2))       # 3 % apart
+    a['rel_latency_ci'], b['rel_latency_ci'] = [0.47, 0.53], [0.49, 0.55]   # overlapping: as fast as each other
+    assert [e['pareto_rank'] for e in rank_entries([a, b])['open']] == [1, 1]
+    b['rel_latency_ci'] = [0.54, 0.60]                                      # wholly slower: dominated
+    o = {e['id']: e for e in rank_entries([a, b])['open']}
+    assert (o[1]['pareto_rank'], o[2]['pareto_rank']) == (1, 2)
+    assert o[2]['why'] == "dominated by p1's entry #1: as good or better on all three, better on latency"
+    m = entry_metrics(synthetic_measurement(Y, Y, jitter=0.05, rounds=20, calls=5), Y, ALL, job_noise=0.03)
+    assert m['rel_latency_ci'][0] < m['rel_latency'] < m['rel_latency_ci'][1]

@@ -30,7 +30,8 @@ RULES = (f"Closed track: accuracy ≥ baseline − {GATE_POINTS:g} point (a larg
          "rounds combined with the spread between repeated jobs measured on this server; entries whose intervals "
          "overlap are tied, and an entry's place is 1 + the number of entries whose interval lies wholly above its own. "
          "Open track: entries above the accuracy floor, ranked by Pareto rank over (accuracy ↑, latency at batch 1 "
-         "relative to the baseline ↓, file bytes ↓); equal Pareto ranks are ordered by accuracy, then submission time. "
+         "relative to the baseline ↓, file bytes ↓), where one entry is faster than another only when its latency "
+         "interval lies wholly below the other's; equal Pareto ranks are ordered by accuracy, then submission time. "
          "Each participant's best entry per track stands for them; at the close, those entries are measured again "
          "(accuracy on the private part, latency interleaved with the baseline in a new job) and the final ranking uses "
          "that measurement (a final job that fails keeps the one made at submission). A model you already submitted "
@@ -42,21 +43,20 @@ RULES = (f"Closed track: accuracy ≥ baseline − {GATE_POINTS:g} point (a larg
 # %% ../../nbs/97b_leaderboard_scoring.ipynb #f078771a
 def _median(xs) -> float: return float(np.median(np.asarray(xs, dtype=np.float64)))
 
-def _log_speedup_spread(base, sub, n_boot=1000) -> float:
-    """The standard deviation of the log speedup over the job's own timed rounds: for each batch size, the rounds'
-    log ratios (median baseline call / median entry call of the round) are resampled with replacement (`n_boot`
-    times, a fixed seed: the same raw measurement always gives the same interval), and the medians averaged over the
-    batch sizes as the speedup is. 0 when every round is identical (a made-up measurement)."""
+def _log_speedup_spread(base, sub, n_boot=1000) -> tuple:
+    """The standard deviation of the log speedup over the job's own timed rounds, overall and at each batch size: for
+    each batch size, the rounds' log ratios (median baseline call / median entry call of the round) are resampled with
+    replacement (`n_boot` times, a fixed seed: the same raw measurement always gives the same interval), and their
+    medians averaged over the batch sizes as the speedup is. 0 when every round is identical (a made-up measurement)."""
     calls = int((sub.get('settings') or {}).get('calls', 1))
-    rng, boot = np.random.default_rng(0), 0.0
-    batches = sorted(sub['latency'], key=int)
-    for b in batches:
+    rng, boots = np.random.default_rng(0), {}
+    for b in sorted(sub['latency'], key=int):
         tb, tc = (np.asarray(r['latency'][b]['samples_s'], dtype=np.float64) for r in (base, sub))
         rounds = min(len(tb), len(tc)) // calls
         per_round = np.log(np.median(tb[:rounds * calls].reshape(rounds, calls), axis=1) /
                            np.median(tc[:rounds * calls].reshape(rounds, calls), axis=1))
-        boot = boot + np.median(per_round[rng.integers(0, rounds, (n_boot, rounds))], axis=1)
-    return float(np.std(boot / len(batches)))
+        boots[int(b)] = np.median(per_round[rng.integers(0, rounds, (n_boot, rounds))], axis=1)
+    return float(np.std(sum(boots.values()) / len(boots))), {b: float(np.std(v)) for b, v in boots.items()}
 
 def _interval(value, log_sd) -> list:
     return [value * math.exp(-Z95 * log_sd), value * math.exp(Z95 * log_sd)]
@@ -82,7 +82,9 @@ def entry_metrics(raw: dict, labels, subset, job_noise: float = 0.0) -> dict:
     speedup = math.exp(sum(math.log(s) for s in speed.values()) / len(speed))
     compression = base['file_bytes'] / sub['file_bytes']
     score = math.sqrt(speedup * compression)
-    log_sd = math.hypot(_log_speedup_spread(base, sub), float(job_noise))      # of the log speedup
+    own, own_at = _log_speedup_spread(base, sub)
+    log_sd = math.hypot(own, float(job_noise))                      # of the log speedup
+    b1 = min(speed)
     drop = (base_acc - acc) * 100
     gate = ('passed' if drop <= GATE_POINTS + 1e-9 else 'failed' if p < GATE_P else 'passed (drop not significant)')
     flags = []
@@ -101,7 +103,8 @@ def entry_metrics(raw: dict, labels, subset, job_noise: float = 0.0) -> dict:
     return dict(accuracy=acc, accuracy_ci=list(wilson_interval(correct, n)), n=n, baseline_accuracy=base_acc,
                 dacc_points=(acc - base_acc) * 100, p_value=p, gate=gate, latency_ms={b: t * 1e3 for b, t in lat.items()},
                 baseline_latency_ms={b: t * 1e3 for b, t in base_lat.items()}, speedup_at=speed, speedup=speedup,
-                speedup_ci=_interval(speedup, log_sd), rel_latency=1.0 / speed[min(speed)],
+                speedup_ci=_interval(speedup, log_sd), rel_latency=1.0 / speed[b1],
+                rel_latency_ci=_interval(1.0 / speed[b1], math.hypot(own_at[b1], float(job_noise))),
                 file_bytes=int(sub['file_bytes']), baseline_file_bytes=int(base['file_bytes']), compression=compression,
                 score=score, score_ci=_interval(score, log_sd / 2), bits_per_param=sub.get('bits_per_param'),
                 params=sub.get('params'), flags=flags)
@@ -152,14 +155,28 @@ def pareto_ranks(points, maximize) -> np.ndarray:
 
 def _open_point(e): return [e['accuracy'], e['rel_latency'], e['file_bytes']]
 
+def _faster(a, b) -> bool:
+    "Whether `a`'s batch-1 latency is clearly lower than `b`'s: its interval lies wholly below (point values without one)."
+    return a.get('rel_latency_ci', [a['rel_latency']] * 2)[1] < b.get('rel_latency_ci', [b['rel_latency']] * 2)[0]
+
 def _better(a, b) -> list:
-    "The objectives on which entry `a` is strictly better than `b`."
-    (aa, al, ab), (ba, bl, bb) = _open_point(a), _open_point(b)
-    return [w for w, better in zip(_OBJECTIVE_WORDS, (aa > ba, al < bl, ab < bb)) if better]
+    "The objectives on which entry `a` is better than `b` (latency: only when the intervals do not overlap)."
+    return [w for w, better in zip(_OBJECTIVE_WORDS, (a['accuracy'] > b['accuracy'], _faster(a, b),
+                                                      a['file_bytes'] < b['file_bytes'])) if better]
 
 def _dominates(a, b) -> bool:
-    (aa, al, ab), (ba, bl, bb) = _open_point(a), _open_point(b)
-    return aa >= ba and al <= bl and ab <= bb and bool(_better(a, b))
+    "`a` is as good as `b` on all three (latency: not clearly slower) and better on one."
+    return (a['accuracy'] >= b['accuracy'] and a['file_bytes'] <= b['file_bytes'] and not _faster(b, a)
+            and bool(_better(a, b)))
+
+def _fronts(rows) -> list:
+    "Non-dominated sorting of entries with `_dominates`: 1 for the front, 2 for the front of the rest, and so on."
+    ranks, left, r = [0] * len(rows), set(range(len(rows))), 1
+    while left:
+        front = {i for i in left if not any(_dominates(rows[j], rows[i]) for j in left if j != i)}
+        for i in front: ranks[i] = r
+        left, r = left - front, r + 1
+    return ranks
 
 def _words(xs): return xs[0] if len(xs) == 1 else ', '.join(xs[:-1]) + ' and ' + xs[-1]
 
@@ -211,10 +228,9 @@ def rank_entries(entries, open_min_accuracy=None) -> dict:
     rank_bands(closed_rows)
     # open: the best Pareto rank per participant among their entries above the floor, then ranked among those
     above = [e for e in ok if _floor_ok(e, open_min_accuracy)]
-    mx = [True, False, False]
-    for e, r in zip(above, pareto_ranks([_open_point(e) for e in above], mx) if above else []): e['_all_rank'] = int(r)
+    for e, r in zip(above, _fronts(above)): e['_all_rank'] = r
     chosen = [dict(e) for e in _pick(above, lambda e: (e['_all_rank'],) + tie(e)).values()]
-    for e, r in zip(chosen, pareto_ranks([_open_point(e) for e in chosen], mx) if chosen else []): e['pareto_rank'] = int(r)
+    for e, r in zip(chosen, _fronts(chosen)): e['pareto_rank'] = r
     open_rows = sorted(chosen, key=lambda e: (e['pareto_rank'],) + tie(e))
     for i, e in enumerate(open_rows, 1):
         e.update(rank=i, on_front=e['pareto_rank'] == 1)
