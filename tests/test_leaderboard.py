@@ -331,6 +331,8 @@ def test_accept_queues_and_every_refusal_writes_nothing(tmp_path, files, monkeyp
     refused(401, 'unknown token', '', data)
     refused(409, "task's baseline", tok, files['baseline'].read_bytes())
     refused(422, 'not an acceptable tinycomp model file', tok, b'hello')
+    refused(422, r'made for the mnist5k data \(1x28x28 inputs\), but this task.s inputs are 1x8x8', tok,
+            pretrained_path('resnet8').read_bytes())
     torch_zip = io.BytesIO()
     with zipfile.ZipFile(torch_zip, 'w') as zf: zf.writestr('model/data.pkl', b'\x80\x02}q\x00.')
     refused(422, r'looks like a PyTorch file, not a tinycomp model file: convert it first with `tinycomp import`',

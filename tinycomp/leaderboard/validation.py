@@ -12,13 +12,14 @@ import numpy as np
 from ..errors import ModelFileError, TinycompError
 from .client import foreign_format
 from .. import io as tio
+from ..io import carried_metadata
 from ..tensor import Tensor, no_grad
 from ..profiling.counting import profile_model
 from ..nn.modules import parameter_counts
 from ..benchmarking.stages import model_kind
 
 # %% auto #0
-__all__ = ['SubmissionRejected', 'model_fingerprint', 'validate_model_bytes', 'model_file_fingerprint']
+__all__ = ['SHIPPED_INPUTS', 'SubmissionRejected', 'model_fingerprint', 'validate_model_bytes', 'model_file_fingerprint']
 
 # %% ../../nbs/97c_leaderboard_validation.ipynb #0a0ca70a
 class SubmissionRejected(TinycompError):
@@ -26,6 +27,8 @@ class SubmissionRejected(TinycompError):
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
         self.status, self.reason = int(status), reason
+
+SHIPPED_INPUTS = {'digits': (1, 8, 8), 'mnist5k': (1, 28, 28)}   # one input of each shipped data set (channels, h, w)
 
 # %% ../../nbs/97c_leaderboard_validation.ipynb #cf97d21c
 def model_fingerprint(model) -> str:
@@ -63,6 +66,11 @@ def validate_model_bytes(data: bytes, sample, n_classes: int, limits: dict) -> d
         if params > limits['max_params']:
             raise SubmissionRejected(422, f"the model has {params:,} parameters, more than the limit of "
                                           f"{int(limits['max_params']):,}")
+        made_for = carried_metadata(model).get('data')
+        if made_for in SHIPPED_INPUTS and SHIPPED_INPUTS[made_for] != tuple(sample.shape[1:]):
+            raise SubmissionRejected(422, f"this model was made for the {made_for} data ({'x'.join(map(str, SHIPPED_INPUTS[made_for]))} "
+                                          f"inputs), but this task's inputs are {'x'.join(map(str, sample.shape[1:]))}: "
+                                          "submit a model made for this task's data")
         x = Tensor(np.ascontiguousarray(sample[:1], dtype=np.float32))
         try:
             model.eval()
