@@ -566,3 +566,20 @@ def test_the_page_in_headless_chromium(task, tmp_path, chromium):
     if copy_to:
         shutil.copy(shots / 'leaderboard.png', copy_to)
         shutil.copy(shots / 'leaderboard-phone.png', Path(copy_to).with_name(Path(copy_to).stem + '-phone.png'))
+
+
+def test_an_entry_read_by_anyone_but_its_owner_hides_the_instructors_words(task, tmp_path):
+    from tinycomp.leaderboard.app import LeaderboardServer
+    store = new_db(task, tmp_path)
+    ada, bob = store.issue_token('Ada'), store.issue_token('Bob')
+    sid = store.accept(ada, variant(1, tmp_path))['id']
+    store.remove(sid, "copied from Bob's notebook")
+    with LeaderboardServer(store.path, worker=False) as server:
+        url = f"{server.url}/api/submissions/{sid}"
+        for token in (None, bob):
+            status, body, _ = request('GET', url, token=token)
+            assert status == 200 and body['reason'] == 'removed by the instructor'
+            assert not {'actions', 'sha256', 'model_sha256'} & set(body)
+        status, body, _ = request('GET', url, token=ada)
+        assert body['reason'] == "removed by the instructor: copied from Bob's notebook" and body['sha256']
+        assert [a['reason'] for a in body['actions']] == ["copied from Bob's notebook"]

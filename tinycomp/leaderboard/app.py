@@ -239,6 +239,11 @@ def make_app(db_path, max_body: int | None = None):
         try: row = await run_in_threadpool(submission_now, request.path_params['id'])
         except (KeyError, LookupError, TinycompError): row = None
         if row is None: return refuse(404, f"no submission {request.path_params['id']}")
+        token = bearer_token(request.headers.get('authorization'))
+        who = token and await run_in_threadpool(store.participant, token)
+        if not who or who['id'] != row['participant_id']:          # anyone else: no instructor's words, no hashes
+            row = {k: v for k, v in row.items() if k not in ('actions', 'sha256', 'model_sha256')}
+            if row.get('status') == 'removed': row['reason'] = 'removed by the instructor'
         return answer(_public(row))
 
     def history_of(who):

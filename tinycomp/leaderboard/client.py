@@ -135,7 +135,7 @@ def status_line(sub) -> str:
 # %% ../../nbs/97h_leaderboard_client.ipynb #df57ff17
 def _clock() -> str: return time.strftime('%H:%M:%S')
 
-def _wait(base, sub, log, timeout, poll, patience) -> dict:
+def _wait(base, sub, log, timeout, poll, patience, token=None) -> dict:
     sid, url = sub['id'], f"{base}/api/submissions/{sub['id']}"
     deadline, entry, shown, down = time.monotonic() + timeout, sub, None, None
     while True:
@@ -147,7 +147,7 @@ def _wait(base, sub, log, timeout, poll, patience) -> dict:
             raise TinycompError(f"submission #{sid} is still {entry.get('status')} after {_duration(timeout)}; its result "
                                 f"will appear at {url} and on the page {base}/")
         time.sleep(poll)
-        try: got, problem = _get_json(url, timeout=10), None
+        try: got, problem = _get_json(url, token, timeout=10), None
         except urllib.error.HTTPError as e:
             if e.code < 500: raise TinycompError(f"cannot follow submission #{sid} (HTTP {e.code}): {_reason(e)}") from None
             problem = f"HTTP {e.code}"
@@ -213,7 +213,7 @@ def submit_remote(model_path, url, token, progress=True, timeout=1800.0, poll=0.
         raise TinycompError(f"{path} is {_size(size)}, over the server's limit of {_size(limit)}: submit a smaller model file")
     sub = _upload(path, size, f"{base}/api/submissions", token, progress, base)
     log(f"uploaded {_size(size)}: accepted as #{sub['id']}")
-    entry = _wait(base, sub, log, timeout, poll, patience)
+    entry = _wait(base, sub, log, timeout, poll, patience, token)
     if entry.get('status') == 'measured':
         try: entry['place'] = place_of(entry, _get_json(f"{base}/api/leaderboard"))
         except (urllib.error.URLError, OSError, ValueError, KeyError): pass     # the ranks of the submission still say it
