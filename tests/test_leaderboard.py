@@ -734,3 +734,15 @@ def test_the_open_track_counts_latency_only_when_the_intervals_part():
     assert o[2]['why'] == "dominated by p1's entry #1: as good or better on all three, better on latency"
     m = entry_metrics(synthetic_measurement(Y, Y, jitter=0.05, rounds=20, calls=5), Y, ALL, job_noise=0.03)
     assert m['rel_latency_ci'][0] < m['rel_latency'] < m['rel_latency_ci'][1]
+
+
+def test_html_into_a_folder_and_schedule_after_the_close(tmp_path, files, capsys, monkeypatch):
+    s = make_store(tmp_path, files)
+    monkeypatch.chdir(tmp_path)
+    assert main(['leaderboard', 'html', '--page', 'site/', '--db', str(s.path)]) == 0
+    assert (tmp_path / 'site' / 'index.html').is_file() and 'wrote site/index.html' in capsys.readouterr().out
+    assert main(['leaderboard', 'html', '--page', 'new/page.html', '--db', str(s.path)]) == 0
+    assert (tmp_path / 'new' / 'page.html').is_file()
+    s.close()
+    assert main(['leaderboard', 'schedule', '--db', str(s.path)]) == 0 and 'closed' in capsys.readouterr().out
+    assert main(['leaderboard', 'schedule', '--closes', '2099-01-01 10:00', '--db', str(s.path)]) == 2

@@ -155,9 +155,10 @@ def submit_local(store, model_path, token, log=print) -> dict:
 
 # %% ../../nbs/97j_leaderboard_cli.ipynb #f1c94bcc
 def _write_page(store, page, private=None) -> Path:
-    page = Path(page)
-    if page.is_dir(): raise TinycompError(f"--page {page} is a folder; give a file name")
-    if not page.parent.is_dir(): raise TinycompError(f"--page {page}: the folder {page.parent} does not exist")
+    "Write the page to the file `page`, or to index.html in it when it names a folder (created if missing)."
+    page = Path(page) / 'index.html' if str(page).endswith(('/', os.sep)) or Path(page).is_dir() else Path(page)
+    try: page.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e: raise TinycompError(f"--page {page}: cannot make the folder {page.parent} ({e.strerror})") from None
     with atomic_write(page, mode=0o644) as f: f.write(render_page(store, private).encode('utf-8'))   # for others to read
     return page
 

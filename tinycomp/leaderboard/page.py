@@ -136,7 +136,7 @@ h1{font-size:1.5rem;margin:.3em 0}h2{font-size:1.2rem;margin:1.2em 0 .4em;border
 table{border-collapse:separate;border-spacing:0;font-size:.9rem;white-space:nowrap;--rw:4.8em}
 th,td{padding:4px 6px;border-bottom:1px solid #e3e3e3;text-align:right;background:#fff}
 th{background:#f0f0f0;position:sticky;top:0;z-index:1}
-td.t,th.t,th.why{text-align:left}td.why{white-space:normal;min-width:24em;text-align:left}
+td.t,th.t,th.why{text-align:left}td.why{white-space:normal;min-width:14em;max-width:26em;text-align:left}
 th.r,td.r{position:sticky;left:0;z-index:2;box-sizing:border-box;width:var(--rw);min-width:var(--rw);max-width:var(--rw);text-align:left}
 th.nm,td.nm{position:sticky;left:var(--rw);z-index:2;text-align:left;box-shadow:2px 0 0 #e3e3e3}
 th.r,th.nm{z-index:3}

@@ -406,6 +406,7 @@ def _schedule(self, opens=None, closes=None, now=None) -> dict:
     """Set when the competition opens and when it closes itself (`None` keeps a date, 'none' removes it; see
     `_parse_when` for the formats). Refused once closed (reopen it instead) and for a close date already past."""
     now = _now() if now is None else float(now)
+    if opens is None and closes is None: return self.dates(now)          # nothing to change: say how things stand
     if self.phase(now) == 'closed':
         raise TinycompError("the competition is closed; to open it again with a new close date, run "
                             f"`tinycomp leaderboard reopen --db {self.path} --closes DATE`")
