@@ -305,3 +305,14 @@ def test_remeasure_queues_a_doubted_measurement_again_with_its_reason(tmp_path, 
     assert lb.measure_next(s) == a['id'] and s.submission(a['id'])['status'] == 'measured'
     assert s.query("SELECT raw FROM measurements WHERE submission_id = ?", (a['id'],))[0]['raw'] != first
     with pytest.raises(TinycompError, match='give a reason'): s.remeasure(a['id'], ' ')
+
+
+def test_the_csv_export_marks_classmates_identical_models_and_defuses_formulas(tmp_path, files):
+    s = make_store(tmp_path / 'lb.db', files)
+    ann, ben, eve = s.issue_token('ann'), s.issue_token('ben'), s.issue_token('=HYPERLINK("http://x","eve")')
+    a = s.accept(ann, files['m0'].read_bytes())['id']
+    b = s.accept(ben, files['m0_again'].read_bytes())['id']                 # the same model, another file
+    c = s.accept(eve, files['m1'].read_bytes())['id']
+    rows = {int(r['id']): r for r in csv.DictReader(s.export_csv(tmp_path / 'x.csv').open())}
+    assert (rows[a]['same_model_as'], rows[b]['same_model_as'], rows[c]['same_model_as']) == (f'#{b}', f'#{a}', '')
+    assert rows[c]['name'] == '\'=HYPERLINK("http://x","eve")'

@@ -411,26 +411,35 @@ def _deployed(raw) -> bool | str:
     "Whether the entry was timed frozen for deployment, as its raw measurement says ('' if it does not say)."
     return json.loads(raw)['results']['submission'].get('settings', {}).get('deployed', '') if raw else ''
 
+def _cell(v):
+    "A CSV cell a spreadsheet shows as text: a leading =, +, -, @ (a formula) is defused with a quote."
+    return "'" + v if isinstance(v, str) and v[:1] in ('=', '+', '-', '@', '\t', '\r') else v
+
 def _export_csv(self, path) -> Path:
-    """One row per submission: public and private metrics and ranks side by side, and whether it was timed frozen for
-    deployment; written atomically, readable by the group (the umask decides about others)."""
+    """One row per submission: public and private metrics and ranks side by side, whether it was timed frozen for
+    deployment, and `same_model_as`: other participants' entries holding the same model (a copy to look at, or one
+    recipe followed by two); written atomically, readable by the group."""
     sets = {split: {e['id']: e for e in self.entries(split == 'private')} for split in ('public', 'private')}
     ranks = {split: _rank_columns(self.leaderboard(split == 'private')) for split in sets}
     buf = io.StringIO()
-    cols = _CSV_FIELDS + [f"{split}_{k}" for split in ('public', 'private') for k in _CSV_METRICS + _CSV_RANKS] + \
+    cols = _CSV_FIELDS + ['same_model_as'] + \
+        [f"{split}_{k}" for split in ('public', 'private') for k in _CSV_METRICS + _CSV_RANKS] + \
         [f"latency_ms_b{b}" for b in self.settings['batch_sizes']]
+    subs = self.query("SELECT s.*, p.name, m.raw FROM submissions s JOIN participants p ON p.id = s.participant_id "
+                      "LEFT JOIN measurements m ON m.submission_id = s.id ORDER BY s.id")
+    twins = lambda s: ' '.join(f"#{o['id']}" for o in subs if s['model_sha256'] and o['model_sha256'] == s['model_sha256']
+                               and o['participant_id'] != s['participant_id'])
     w = csv.DictWriter(buf, fieldnames=cols, lineterminator='\n', extrasaction='ignore')
     w.writeheader()
-    for s in self.query("SELECT s.*, p.name, m.raw FROM submissions s JOIN participants p ON p.id = s.participant_id "
-                        "LEFT JOIN measurements m ON m.submission_id = s.id ORDER BY s.id"):
-        row = dict(s, date=_iso(s['created']), deployed=_deployed(s['raw']))
+    for s in subs:
+        row = dict(s, date=_iso(s['created']), deployed=_deployed(s['raw']), same_model_as=twins(s))
         for split, es in sets.items():
             if s['id'] in es:
                 e = es[s['id']]
                 row.update({f"{split}_{k}": ('; '.join(e[k]) if k == 'flags' else e[k]) for k in _CSV_METRICS})
                 row.update({f"{split}_{k}": v for k, v in ranks[split].get(s['id'], {}).items()})
                 row.update({f"latency_ms_b{b}": v for b, v in e['latency_ms'].items()})
-        w.writerow(row)
+        w.writerow({k: _cell(v) for k, v in row.items()})
     with atomic_write(path, mode=0o640) as f: f.write(buf.getvalue().encode('utf-8'))
     return Path(path)
 
