@@ -206,9 +206,10 @@ def test_final_measurements_are_new_jobs_and_decide_the_final_ranking(tmp_path, 
         assert row['speedup'] == pytest.approx(entries[row['id']]['speedup']) and row['final'] == 'measured'
     assert board['measurement']['rounds'] == 2 and board['measurement']['batch_sizes'] == [1, 64]
     assert board['measurement']['cpu'] and board['measurement']['cores'] >= 1
-    # the public ranking stays what it was: the measurements at submission, every entry
-    def ranks(board): return {t: [(r['id'], r['rank'], r['score']) for r in rows] for t, rows in board['tracks'].items()}
-    assert ranks(s.leaderboard(private=False)) == ranks(public)
+    # the public ranking keeps its measurements at submission, every entry (its intervals, and so its bands, may
+    # widen: the final jobs are repeats of the same models, which the job noise pools)
+    def scores(board): return {t: [(r['id'], r['score']) for r in rows] for t, rows in board['tracks'].items()}
+    assert scores(s.leaderboard(private=False)) == scores(public)
     history = s.history()['ann']
     assert [h['id'] for h in history] == ids[:2] and all('accuracy' in h for h in history)
 
