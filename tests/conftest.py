@@ -83,6 +83,20 @@ class WritesOnly:
         return written
 
 
+@pytest.fixture(scope='session')
+def task(tmp_path_factory):
+    "A small leaderboard task: task.npz with the first 64 digits of the test split, and digits_cnn as baseline.npz."
+    import numpy as np
+    from tinycomp import io as tio
+    from tinycomp.data import load_digits
+    from tinycomp.models import load_pretrained
+    d = tmp_path_factory.mktemp('task')
+    X, y = load_digits('test')
+    np.savez(d / 'task.npz', X=X[:64], y=y[:64])
+    tio.save(load_pretrained('digits_cnn'), d / 'baseline.npz')
+    return d
+
+
 @pytest.fixture
 def writes_only(tmp_path, monkeypatch):
     """An empty current folder for a command (`tmp_path / 'cwd'`); `writes_only.check(stdout, 'tinycomp_x')` then asserts

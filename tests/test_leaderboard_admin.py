@@ -18,7 +18,6 @@ import pytest
 import tinycomp.leaderboard as lb
 from tinycomp import io as tio
 from tinycomp.cli import main
-from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
 from tinycomp.leaderboard import store as lb_store
 from tinycomp.leaderboard.validation import SubmissionRejected, model_fingerprint
@@ -27,12 +26,10 @@ from tinycomp.models import load_pretrained, pretrained_path
 
 
 @pytest.fixture(scope='module')
-def files(tmp_path_factory):
-    "A 64-sample digits task, and models that are each a little different from the baseline (and from each other)."
+def files(tmp_path_factory, task):
+    "The 64-sample digits task, and models that are each a little different from the baseline (and from each other)."
     d = tmp_path_factory.mktemp('adminfiles')
-    X, y = load_digits('test')
-    np.savez(d / 'task.npz', X=X[:64], y=y[:64])
-    out = dict(dir=d, task=d / 'task.npz', baseline=pretrained_path('digits_cnn'))
+    out = dict(dir=d, task=task / 'task.npz', baseline=pretrained_path('digits_cnn'))
     for k in range(3):
         m = load_pretrained('digits_cnn')
         w = next(iter(m.parameters()))

@@ -24,7 +24,6 @@ import pytest
 
 from tinycomp import io as tio
 from tinycomp.cli import main as cli_main
-from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
 from tinycomp.leaderboard.app import LeaderboardServer, typical_job_seconds
 from tinycomp.leaderboard.cli import add_submissions_cli, format_submission, submit_local
@@ -38,16 +37,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = dict(rounds=2, calls=1, calibration_jobs=0)   # the harness at its cheapest: these tests check what is said, not speed
-
-
-@pytest.fixture(scope='module')
-def task(tmp_path_factory):
-    "A small task: the first 64 digits of the test split, digits_cnn as the baseline."
-    d = tmp_path_factory.mktemp('task')
-    X, y = load_digits('test')
-    np.savez(d / 'task.npz', X=X[:64], y=y[:64])
-    tio.save(load_pretrained('digits_cnn'), d / 'baseline.npz')
-    return d
 
 
 def variant(i, folder, metadata=None, wreck=False) -> Path:

@@ -8,7 +8,6 @@ import pytest
 
 from tinycomp import io as tio
 from tinycomp.cli import main
-from tinycomp.data import load_digits
 from tinycomp.errors import TinycompError
 import tinycomp.leaderboard as lb
 from tinycomp.leaderboard import store as lb_store, worker as lb_worker
@@ -21,12 +20,10 @@ HOUR = 3600.0
 
 
 @pytest.fixture(scope='module')
-def files(tmp_path_factory):
+def files(tmp_path_factory, task):
     d = tmp_path_factory.mktemp('closefiles')
-    X, y = load_digits('test')
-    np.savez(d / 'task.npz', X=X[:64], y=y[:64])
     base = load_pretrained('digits_cnn')
-    out = dict(task=d / 'task.npz', baseline=pretrained_path('digits_cnn'))
+    out = dict(task=task / 'task.npz', baseline=pretrained_path('digits_cnn'))
     for i in range(6):                                      # the baseline nudged: other models, as accurate
         m = copy.deepcopy(base)
         w = next(iter(m.parameters()))

@@ -47,16 +47,6 @@ FAST = dict(rounds=2, calls=1, calibration_jobs=0)   # the harness at its cheape
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-@pytest.fixture(scope='module')
-def task(tmp_path_factory):
-    "A small task: the first 64 digits of the test split, digits_cnn as the baseline."
-    d = tmp_path_factory.mktemp('task')
-    X, y = load_digits('test')
-    np.savez(d / 'task.npz', X=X[:64], y=y[:64])
-    tio.save(load_pretrained('digits_cnn'), d / 'baseline.npz')
-    return d
-
-
 _BASE = {}
 
 def variant(i: int, tmp, metadata=None) -> bytes:

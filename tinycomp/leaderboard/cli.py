@@ -321,17 +321,15 @@ def add_serve_action(leaderboard_subparsers):
 
 def _add_admin_actions(action):
     "Register `restore ID --reason R`, `remeasure ID --reason R` and `tokens --csv FILE --write FILE` (see `add_leaderboard_cli`)."
-    p = action('restore', 'undo a removal, with a reason',
-               'Restore a removed entry: it is ranked again if it was measured (else it is queued and measured); its '
-               'history keeps both reasons.')
-    p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
-    p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
-    p = action('remeasure', 'measure an entry again, with a reason',
-               "Measure a measured or failed entry again (its measurement is dropped and it is queued): for a "
-               "measurement you doubt, e.g. a compliance flag raised while the machine was busy. Its history keeps "
-               "the reason.")
-    p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
-    p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
+    for name, summary, description in (
+            ('restore', 'undo a removal, with a reason', 'Restore a removed entry: it is ranked again if it was measured '
+             '(else it is queued and measured); its history keeps both reasons.'),
+            ('remeasure', 'measure an entry again, with a reason', "Measure a measured or failed entry again (its "
+             "measurement is dropped and it is queued): for a measurement you doubt, e.g. a compliance flag raised "
+             "while the machine was busy. Its history keeps the reason.")):
+        p = action(name, summary, description)
+        p.add_argument('id', type=int, metavar='ID', help='the submission number (#ID)')
+        p.add_argument('--reason', required=True, help="why (shown in the participant's history)")
     p = action('tokens', 'register a whole class from a CSV list; write their tokens to a file',
                "Register every name of a class list (a CSV file whose first line names its columns, one of them "
                "'name') and write name,token rows to a new file only you can read. All or nothing: a missing column, "

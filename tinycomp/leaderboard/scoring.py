@@ -153,8 +153,6 @@ def pareto_ranks(points, maximize) -> np.ndarray:
         left, r = left[~front], r + 1
     return ranks
 
-def _open_point(e): return [e['accuracy'], e['rel_latency'], e['file_bytes']]
-
 def _faster(a, b) -> bool:
     "Whether `a`'s batch-1 latency is clearly lower than `b`'s: its interval lies wholly below (point values without one)."
     return a.get('rel_latency_ci', [a['rel_latency']] * 2)[1] < b.get('rel_latency_ci', [b['rel_latency']] * 2)[0]

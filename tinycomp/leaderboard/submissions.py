@@ -116,13 +116,14 @@ def _repeats(self) -> tuple:
         groups.setdefault(r['k'], []).append(log_speedup(json.loads(r['raw'])))
     return repeat_noise(groups.values())
 
-def _job_noise(self) -> float:
-    """The noise between jobs that widens every interval: the larger of the calibration's and the spread of the
-    repeated jobs of identical models (once it rests on at least 2 degrees of freedom)."""
+def _noise(self) -> dict:
+    """{'job_noise', 'repeats'}: the noise between jobs that widens every interval, the larger of the calibration's
+    and the spread of the repeated jobs of identical models (once it rests on at least 2 degrees of freedom)."""
     sd, df = self.repeats()
-    return max(float((self.calibration or {}).get('job_noise', 0.0)), sd if df >= 2 else 0.0)
+    return dict(job_noise=max(float((self.calibration or {}).get('job_noise', 0.0)), sd if df >= 2 else 0.0), repeats=df)
 
-Store.repeats, Store.job_noise = _repeats, property(_job_noise)
+Store.repeats, Store.noise = _repeats, _noise
+Store.job_noise = property(lambda self: self.noise()['job_noise'])
 
 def _entries(self, private=None) -> list:
     """Every measured entry (removed and failed ones excluded) with its metrics on the public or private part. Once
@@ -166,7 +167,7 @@ def _measurement_info(store) -> dict | None:
     env, st = sub.get('environment', {}), sub.get('settings', {})     # made-up measurements have neither
     return dict(rounds=st.get('rounds'), calls=st.get('calls'), batch_sizes=st.get('batch_sizes'),
                 threads=env.get('threads', {}).get('numba'), deployed=st.get('deployed'), cpu=env.get('cpu'),
-                cores=env.get('usable_cores'), job_noise=store.job_noise, repeats=store.repeats()[1],
+                cores=env.get('usable_cores'), **store.noise(),
                 calibrated=(store.calibration or {}).get('date'), calibration_pair=(store.calibration or {}).get('pair'))
 
 def _not_counted(entries) -> dict:
